@@ -1,0 +1,100 @@
+"""Argument checks shared by every public memory function.
+
+Every check raises ``ValueError`` naming the offending argument and the shape or
+value it expected, before any computation runs. Value checks (gate signs, NaNs)
+only run on concrete arrays: under ``jax.jit`` the values are abstract, and the
+caller is responsible (``jax.experimental.checkify`` can wrap the call).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODES = ("chunked", "recurrent")
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(np.shape(x))
+
+
+def require_rank(fn: str, name: str, x: Any, rank: int, layout: str) -> None:
+    if x is None:
+        raise ValueError(f"{fn}: `{name}` is required (expected layout {layout})")
+    if np.ndim(x) != rank:
+        raise ValueError(
+            f"{fn}: `{name}` must have rank {rank} with layout {layout}, got shape {shape_of(x)}"
+        )
+
+
+def require_shape(fn: str, name: str, x: Any, expected: tuple[int, ...], layout: str) -> None:
+    if x is None:
+        raise ValueError(f"{fn}: `{name}` is required (expected shape {layout} = {expected})")
+    if shape_of(x) != tuple(expected):
+        raise ValueError(
+            f"{fn}: `{name}` must have shape {layout} = {tuple(expected)}, got {shape_of(x)}"
+        )
+
+
+def require_float(fn: str, name: str, x: Any) -> None:
+    if not jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.floating):
+        raise ValueError(f"{fn}: `{name}` must be a floating-point array, got dtype {x.dtype}")
+
+
+def check_mode(fn: str, mode: Any) -> str:
+    if mode not in MODES:
+        raise ValueError(f"{fn}: `mode` must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def check_chunk_size(fn: str, chunk_size: Any) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
+        raise ValueError(f"{fn}: `chunk_size` must be a positive integer, got {chunk_size!r}")
+    return int(chunk_size)
+
+
+def resolve_scale(fn: str, scale: Any, head_dim: int) -> float:
+    if scale is None:
+        return float(head_dim) ** -0.5
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"{fn}: `scale` must be a real number or None, got {scale!r}") from None
+    if not np.isfinite(value):
+        raise ValueError(f"{fn}: `scale` must be finite, got {scale!r}")
+    return value
+
+
+def is_concrete(x: Any) -> bool:
+    return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def check_log_decay(fn: str, name: str, g: Any) -> None:
+    """Gates are natural-log decays: finite and <= 0 (alpha = exp(g) in (0, 1])."""
+    if not is_concrete(g):
+        return
+    g_np = np.asarray(jax.device_get(g), dtype=np.float64)
+    if not np.all(np.isfinite(g_np)):
+        bad = int(np.sum(~np.isfinite(g_np)))
+        raise ValueError(
+            f"{fn}: `{name}` (log-decay) has {bad} non-finite entries (NaN or inf); gates must be "
+            "finite and <= 0. For a hard reset between documents use `segment_ids`."
+        )
+    if np.any(g_np > 0):
+        raise ValueError(
+            f"{fn}: `{name}` (log-decay) must be <= 0 everywhere (alpha = exp({name}) <= 1); "
+            f"max is {float(g_np.max()):.4g}. Map raw gate logits with e.g. "
+            "-softplus(x) or jax.nn.log_sigmoid(x)."
+        )
+
+
+def check_segment_ids(fn: str, segment_ids: Any, batch: int, length: int) -> None:
+    if segment_ids is None:
+        return
+    require_shape(fn, "segment_ids", segment_ids, (batch, length), "[B,T]")
+    dtype = segment_ids.dtype if hasattr(segment_ids, "dtype") else np.asarray(segment_ids).dtype
+    if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)):
+        raise ValueError(f"{fn}: `segment_ids` must be an integer array, got dtype {dtype}")

@@ -1,0 +1,277 @@
+"""The one update equation, three ways to run it.
+
+Every fixed-state memory of the lineage is one rule (row-vector convention,
+state ``S`` is ``[K, V]``, write ``S += kᵀu``, read ``o = q S``)::
+
+    S_t = Diag(α_t) S_{t-1} + k_tᵀ u_t
+    u_t = β_t · (v_t − e · k_t Diag(α_t) S_{t-1})        e = 1: erase, e = 0: add
+    o_t = q_t S_t
+
+and each architecture is one edit to it:
+
+    ============================  =================  ==========  =====
+    rule                          α_t = exp(g_t)     β_t          e
+    ============================  =================  ==========  =====
+    linear attention              1                  1           0
+    DeltaNet                      1                  β_t         1
+    Gated DeltaNet                scalar per head    β_t         1
+    Kimi Delta Attention (KDA)    one per channel    β_t         1
+    ============================  =================  ==========  =====
+
+(``Diag(α)`` first, then the erase: the per-channel rule decays, then erases, as
+in Kimi Linear's Eq. 1.) A reset (``segment_ids`` changing) zeroes ``S_{t-1}``.
+
+This module implements the rule once:
+
+* :func:`step` — one token, the decode path;
+* :func:`recurrent` — ``lax.scan`` of :func:`step` over tokens, the reference;
+* :func:`chunked` — the WY/UT form: per chunk of ``C`` tokens a unit lower
+  triangular solve ``T = (I + A)⁻¹`` turns the sequential chain of corrections
+  into matmuls, and a ``lax.scan`` over chunks carries the state (see DESIGN.md,
+  "The chunked form").
+
+Internal layout is ``[B, T, H, D]`` for sequences and ``[B, H, K, V]`` for the
+state; the gate ``g`` is ``None`` (no decay), ``[..., 1]`` (one scalar per head)
+or ``[..., K]`` (per channel). All arithmetic runs in the compute dtype chosen by
+the caller (float32 for float32/bf16 inputs, float64 under x64).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+# The reference must be a reference: no TF32 / bf16 passes on accelerators.
+_PRECISION = lax.Precision.HIGHEST
+
+
+def _einsum(spec: str, *operands: Array) -> Array:
+    return jnp.einsum(spec, *operands, precision=_PRECISION)
+
+
+class RuleInputs(NamedTuple):
+    """One rule's per-token inputs, layout ``[B, T, H, ...]`` (or ``[B, H, ...]`` for a step).
+
+    q is already multiplied by its scale. ``g`` is a natural-log decay (<= 0),
+    ``beta`` the write strength, ``reset`` marks tokens whose incoming state is
+    zeroed (``[B, T]`` / ``[B]``).
+    """
+
+    q: Array
+    k: Array
+    v: Array
+    g: Optional[Array] = None
+    beta: Optional[Array] = None
+    reset: Optional[Array] = None
+
+
+# ----------------------------------------------------------------------------
+# One token.
+# ----------------------------------------------------------------------------
+def step(state: Array, x: RuleInputs, *, erase: bool) -> tuple[Array, Array]:
+    """One token of the rule. ``x`` fields are ``[B, H, D]`` (``g``: ``[B, H, Kg]``,
+    ``beta``: ``[B, H]``, ``reset``: ``[B]``); ``state`` is ``[B, H, K, V]``."""
+    S = state
+    if x.reset is not None:
+        S = jnp.where(x.reset[:, None, None, None], jnp.zeros_like(S), S)
+    if x.g is not None:
+        S = S * jnp.exp(x.g)[..., :, None]  # Diag(α): decay rows (key channels)
+    u = x.v
+    if erase:
+        u = u - _einsum("bhk,bhkv->bhv", x.k, S)  # v − (what k currently reads)
+    if x.beta is not None:
+        u = x.beta[..., None] * u
+    S = S + _einsum("bhk,bhv->bhkv", x.k, u)
+    o = _einsum("bhk,bhkv->bhv", x.q, S)
+    return o, S
+
+
+def recurrent(x: RuleInputs, state: Array, *, erase: bool) -> tuple[Array, Array]:
+    """``lax.scan`` of :func:`step` over the token axis. Returns ``(o [B,T,H,V], S)``."""
+
+    def time_major(a):
+        return None if a is None else jnp.moveaxis(a, 1, 0)
+
+    xs = RuleInputs(*(time_major(a) for a in x))
+
+    def body(S, xt):
+        o, S = step(S, RuleInputs(*xt), erase=erase)
+        return S, o
+
+    state, o = lax.scan(body, state, xs)
+    return jnp.moveaxis(o, 0, 1), state
+
+
+# ----------------------------------------------------------------------------
+# The chunked (WY / UT) form.
+# ----------------------------------------------------------------------------
+def _masked_exp(diff: Array, mask: Array) -> Array:
+    """``exp(diff)`` where ``mask`` else 0, with no inf/NaN reaching any gradient.
+
+    The double ``where``: masked entries (whose differences may be huge and
+    positive) are replaced by 0 *before* ``exp``, so neither the value nor its
+    cotangent can overflow.
+    """
+    safe = jnp.where(mask, diff, jnp.zeros_like(diff))
+    return jnp.where(mask, jnp.exp(safe), jnp.zeros_like(diff))
+
+
+def _subblock(chunk: int) -> int:
+    return 16 if chunk % 16 == 0 else chunk
+
+
+def decayed_scores(lefts: tuple[Array, ...], right: Array, G: Optional[Array]) -> tuple[Array, ...]:
+    """``P[i, j] = Σ_c left_i[c] · right_j[c] · exp(G_i[c] − G_j[c])`` for ``j <= i``, else 0.
+
+    ``left``/``right`` are ``[..., C, K]``, ``G`` the within-chunk cumulative
+    log-decay ``[..., C, Kg]`` (non-increasing in ``i``) or ``None``.
+
+    Numerics: ``exp(G_i)`` and ``exp(−G_j)`` are never formed separately (with
+    strong gates they over/underflow). Scalar decays build ``Γ_ij`` directly from
+    masked differences. Per-channel decays split the chunk into sub-blocks of 16:
+    diagonal blocks use explicit masked differences, and an off-diagonal pair
+    (row block ``I``, column ``j`` before it) is anchored at ``a = first row of I``:
+    ``exp(G_i − G_a) · exp(G_a − G_j)`` with both exponents ``<= 0``.
+    """
+    C = right.shape[-2]
+    incl = jnp.tril(jnp.ones((C, C), dtype=bool))
+    if G is None:
+        return tuple(jnp.where(incl, _einsum("...ik,...jk->...ij", left, right), 0.0) for left in lefts)
+    if G.shape[-1] == 1:
+        gamma = _masked_exp(G[..., :, None, 0] - G[..., None, :, 0], incl)
+        return tuple(_einsum("...ik,...jk->...ij", left, right) * gamma for left in lefts)
+
+    s = _subblock(C)
+    nb = C // s
+    K = right.shape[-1]
+    lead = right.shape[:-2]
+    Gb = G.reshape(*lead, nb, s, K)
+    Rb = right.reshape(*lead, nb, s, K)
+    # Diagonal sub-blocks, explicit: [..., nb, s, s, K].
+    diag_mask = jnp.tril(jnp.ones((s, s), dtype=bool))[:, :, None]
+    E = _masked_exp(Gb[..., :, :, None, :] - Gb[..., :, None, :, :], diag_mask)
+    # Off-diagonal: anchor each row block at its first row.
+    Ga = Gb[..., :, 0, :]  # [..., nb, K]
+    col_before = jnp.arange(C)[None, :] < (jnp.arange(nb) * s)[:, None]  # [nb, C]
+    R_anch = right[..., None, :, :] * _masked_exp(
+        Ga[..., :, None, :] - G[..., None, :, :], col_before[:, :, None]
+    )  # [..., nb, C, K]
+    eye = jnp.eye(nb, dtype=right.dtype)
+    out = []
+    for left in lefts:
+        Lb = left.reshape(*lead, nb, s, K)
+        p_diag = _einsum("...nik,...njk,...nijk->...nij", Lb, Rb, E)
+        L_anch = Lb * jnp.exp(Gb - Ga[..., :, None, :])  # exponents <= 0
+        p_off = _einsum("...nik,...njk->...nij", L_anch, R_anch).reshape(*lead, C, C)
+        p_bd = _einsum("...nij,nm->...nimj", p_diag, eye).reshape(*lead, C, C)
+        out.append(p_off + p_bd)
+    return tuple(out)
+
+
+def _pad_time(a: Optional[Array], pad: int, value=0) -> Optional[Array]:
+    if a is None or pad == 0:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(a, widths, constant_values=value)
+
+
+def _to_chunks(a: Optional[Array], n: int, c: int) -> Optional[Array]:
+    """``[B, T, H, ...] -> [B, H, N, C, ...]``."""
+    if a is None:
+        return None
+    a = jnp.moveaxis(a, 2, 1)
+    return a.reshape(a.shape[0], a.shape[1], n, c, *a.shape[3:])
+
+
+def chunked(x: RuleInputs, state: Array, *, erase: bool, chunk_size: int) -> tuple[Array, Array]:
+    """The rule in WY/UT chunked form. Same inputs and results as :func:`recurrent`.
+
+    Per chunk (DESIGN.md): ``A`` strictly lower with decayed key overlaps,
+    ``T = (I + A)⁻¹`` by triangular solve, ``W = T(β ⊙ K ⊙ e^G)``, ``U = T(β ⊙ V)``;
+    then, sequentially over chunks, ``Ũ = U − W S``, ``O = (Q ⊙ e^G) S + M Ũ``,
+    ``S ← Diag(e^{G_C}) S + (K ⊙ e^{G_C − G})ᵀ Ũ``. Everything that does not
+    depend on the carried state is computed for all chunks at once.
+    """
+    B, T, H, K = x.q.shape
+    V = x.v.shape[-1]
+    C = chunk_size
+    n = -(-T // C)
+    pad = n * C - T
+    dtype = state.dtype
+
+    # Padding tokens write nothing (k = 0, β = 0) and decay nothing (g = 0).
+    q, k, v, g, beta = (_to_chunks(_pad_time(a, pad), n, C) for a in (x.q, x.k, x.v, x.g, x.beta))
+    G = None if g is None else jnp.cumsum(g, axis=-2)  # [B, H, N, C, Kg]
+
+    # Segment resets inside a chunk: doc index relative to the chunk's incoming state.
+    if x.reset is None:
+        sees_state = jnp.ones((B, 1, n, C), dtype=bool)
+        same_doc = None
+    else:
+        reset = _pad_time(x.reset, pad, False).reshape(B, 1, n, C)
+        doc = jnp.cumsum(reset.astype(jnp.int32), axis=-1)
+        sees_state = doc == 0  # no reset between the chunk start and this token
+        same_doc = doc[..., :, None] == doc[..., None, :]  # [B, 1, N, C, C]
+        last_doc = doc[..., -1:]
+
+    # exp(G_t) from the chunk start, zero past a reset: the weight of the incoming state.
+    if G is None:
+        decay_in = sees_state[..., None].astype(dtype)  # [B, 1|H, N, C, 1]
+    else:
+        decay_in = jnp.exp(G) * sees_state[..., None]
+    # Weight of each token's write in the outgoing state: exp(G_C − G_j), same doc as the end.
+    if G is None:
+        decay_out = jnp.ones((1, 1, 1, 1, 1), dtype)
+        decay_end = jnp.ones((1, 1, 1, 1), dtype)
+    else:
+        decay_out = jnp.exp(G[..., -1:, :] - G)
+        decay_end = jnp.exp(G[..., -1, :])  # [B, H, N, Kg]
+    decay_end = decay_end * sees_state[..., -1, None]
+    if same_doc is not None:
+        decay_out = decay_out * (doc == last_doc)[..., None]
+
+    if erase:
+        M, KK = decayed_scores((q, k), k, G)
+        strict = ~jnp.eye(C, dtype=bool)
+        A = jnp.where(strict, KK, 0.0) * beta[..., :, None]
+        if same_doc is not None:
+            M = M * same_doc
+            A = A * same_doc
+        rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * k * decay_in], axis=-1)
+        eye = jnp.eye(C, dtype=dtype)
+        sol = jax.scipy.linalg.solve_triangular(eye + A, rhs, lower=True, unit_diagonal=True)
+        U, W = sol[..., :V], sol[..., V:]
+    else:
+        (M,) = decayed_scores((q,), k, G)
+        if same_doc is not None:
+            M = M * same_doc
+        U = v if beta is None else beta[..., None] * v
+        W = None
+
+    q_in = q * decay_in
+    k_out = k * decay_out
+
+    def time_major(a):
+        return None if a is None else jnp.moveaxis(a, 2, 0)  # chunk axis first
+
+    xs = tuple(time_major(a) for a in (q_in, k_out, M, U, W))
+    decay_end = jnp.broadcast_to(decay_end, (B, H, n, decay_end.shape[-1]))
+    xs = xs + (jnp.moveaxis(decay_end, 2, 0),)
+
+    def body(S, xc):
+        q_c, k_c, M_c, U_c, W_c, d_c = xc
+        if W_c is not None:
+            U_c = U_c - _einsum("bhck,bhkv->bhcv", W_c, S)  # the true corrections
+        o_c = _einsum("bhck,bhkv->bhcv", q_c, S) + _einsum("bhij,bhjv->bhiv", M_c, U_c)
+        S = d_c[..., :, None] * S + _einsum("bhck,bhcv->bhkv", k_c, U_c)
+        return S, o_c
+
+    state, o = lax.scan(body, state, xs)  # o: [N, B, H, C, V]
+    o = jnp.moveaxis(o, 0, 2).reshape(B, H, n * C, V)[:, :, :T]
+    return jnp.moveaxis(o, 1, 2), state

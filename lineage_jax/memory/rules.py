@@ -1,0 +1,323 @@
+"""Public fixed-state memories: linear attention, DeltaNet, Gated DeltaNet, KDA.
+
+Each public function is the same rule (:mod:`lineage_jax.memory.core`) with one
+edit — which gate, whether to erase — plus argument checks. Conventions
+(DESIGN.md):
+
+* sequences ``[B, T, H, D]``; state ``[B, H, K, V]`` in float32 (float64 under x64);
+* ``q`` is multiplied by ``scale`` (default ``K ** -0.5``) before use;
+* gates are natural-log decays ``g <= 0``: ``[B, T, H]`` (one scalar per head,
+  Gated DeltaNet) or ``[B, T, H, K]`` (per channel, KDA);
+* ``segment_ids [B, T]`` zero the state wherever the id changes (packed documents);
+  ``initial_state`` feeds the first segment of each row;
+* ``mode="recurrent"`` is a ``lax.scan`` over tokens, ``mode="chunked"`` the WY/UT
+  form with a ``lax.scan`` over chunks of ``chunk_size`` (any ``T``: padded inside).
+
+Outputs come back in the inputs' dtype; all arithmetic is float32 or wider.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from lineage_jax.memory import _validate as V
+from lineage_jax.memory import core
+
+Array = jax.Array
+LinearState = Union[Array, tuple[Array, Array]]
+
+_GATE_NONE, _GATE_SCALAR, _GATE_CHANNEL = "none", "scalar", "channel"
+
+
+def _compute_dtype(*arrays: Any) -> jnp.dtype:
+    return jnp.result_type(jnp.float32, *[a.dtype for a in arrays if a is not None])
+
+
+def _resets(segment_ids: Optional[Array]) -> Optional[Array]:
+    """``[B, T]`` ids -> ``[B, T]`` bool, True where the id differs from the previous token."""
+    if segment_ids is None:
+        return None
+    seg = jnp.asarray(segment_ids)
+    change = seg[:, 1:] != seg[:, :-1]
+    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+
+
+def _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, chunk_size, value_cols=0):
+    """Validate a sequence call. Returns ``(B, T, H, K, Vd)``."""
+    V.check_mode(fn, mode)
+    V.check_chunk_size(fn, chunk_size)
+    V.require_rank(fn, "q", q, 4, "[B,T,H,K]")
+    B, T, H, K = V.shape_of(q)
+    if T == 0:
+        raise ValueError(f"{fn}: `q` has T = 0 tokens; need at least one")
+    V.require_shape(fn, "k", k, (B, T, H, K), "[B,T,H,K] (same as q)")
+    V.require_rank(fn, "v", v, 4, "[B,T,H,V]")
+    if V.shape_of(v)[:3] != (B, T, H):
+        raise ValueError(f"{fn}: `v` must have shape [B,T,H,V] with B,T,H = {(B, T, H)} as in q, got {V.shape_of(v)}")
+    Vd = V.shape_of(v)[3]
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        V.require_float(fn, name, a)
+    if gate == _GATE_SCALAR:
+        V.require_shape(fn, "g", g, (B, T, H), "[B,T,H]")
+    elif gate == _GATE_CHANNEL:
+        V.require_shape(fn, "g", g, (B, T, H, K), "[B,T,H,K]")
+    if g is not None:
+        V.require_float(fn, "g", g)
+        V.check_log_decay(fn, "g", g)
+    if beta is not None:
+        V.require_shape(fn, "beta", beta, (B, T, H), "[B,T,H]")
+        V.require_float(fn, "beta", beta)
+    V.check_segment_ids(fn, segment_ids, B, T)
+    return B, T, H, K, Vd
+
+
+def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids, mode, chunk_size, cast=True):
+    B, T, H, K, Vd = _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, chunk_size)
+    if initial_state is not None:
+        V.require_shape(fn, "initial_state", initial_state, (B, H, K, Vd), "[B,H,K,V]")
+    scale = V.resolve_scale(fn, scale, K)
+    dt = _compute_dtype(q, k, v, g, beta)
+    out_dtype = jnp.result_type(q, k, v)
+    x = core.RuleInputs(
+        q=q.astype(dt) * scale,
+        k=k.astype(dt),
+        v=v.astype(dt),
+        g=None if g is None else (g.astype(dt)[..., None] if gate == _GATE_SCALAR else g.astype(dt)),
+        beta=None if beta is None else beta.astype(dt),
+        reset=_resets(segment_ids),
+    )
+    S0 = jnp.zeros((B, H, K, Vd), dt) if initial_state is None else initial_state.astype(dt)
+    if mode == "recurrent":
+        o, S = core.recurrent(x, S0, erase=erase)
+    else:
+        o, S = core.chunked(x, S0, erase=erase, chunk_size=chunk_size)
+    return (o.astype(out_dtype) if cast else o), S
+
+
+# ----------------------------------------------------------------------------
+# Sequence functions.
+# ----------------------------------------------------------------------------
+def linear_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    normalize: bool = False,
+    eps: float = 1e-6,
+    scale: Optional[float] = None,
+    initial_state: Optional[LinearState] = None,
+    segment_ids: Optional[Array] = None,
+    mode: str = "chunked",
+    chunk_size: int = 64,
+) -> tuple[Array, LinearState]:
+    """Causal linear attention: ``S_t = S_{t-1} + k_tᵀ v_t``, ``o_t = q_t S_t``.
+
+    Feature maps (e.g. ``elu + 1``) are the caller's: ``q`` and ``k`` are used as
+    given. With ``normalize=True`` the state is ``(S, z)`` with ``z_t = Σ k``
+    (``[B, H, K]``) and ``o_t = (q_t S_t) / (q_t · z_t + eps)``.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+      initial_state: ``S [B, H, K, V]``, or ``(S, z)`` when ``normalize``.
+    Returns:
+      ``(o [B, T, H, V], state)`` with the final state (``S`` or ``(S, z)``).
+    """
+    fn = "linear_attention"
+    if not isinstance(normalize, (bool, jnp.bool_)):
+        raise ValueError(f"{fn}: `normalize` must be a bool, got {normalize!r}")
+    if not normalize:
+        return _run(fn, q, k, v, None, None, gate=_GATE_NONE, erase=False, scale=scale,
+                    initial_state=_plain_state(fn, initial_state), segment_ids=segment_ids,
+                    mode=mode, chunk_size=chunk_size)
+    B, T, H, K, Vd = _check_sequence(fn, q, k, v, None, None, _GATE_NONE, initial_state, segment_ids, mode, chunk_size)
+    S0 = _augmented_state(fn, initial_state, (B, H, K, Vd), _compute_dtype(q, k, v))
+    # The normalizer is one more value column: z is the state's column for v = 1.
+    v_aug = jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)
+    o_aug, S_aug = _run(fn, q, k, v_aug, None, None, gate=_GATE_NONE, erase=False, scale=scale,
+                        initial_state=S0, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, cast=False)
+    o = _normalized_read(o_aug, eps).astype(jnp.result_type(q, k, v))
+    return o, (S_aug[..., :-1], S_aug[..., -1])
+
+
+def delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    beta: Array,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[Array] = None,
+    segment_ids: Optional[Array] = None,
+    mode: str = "chunked",
+    chunk_size: int = 64,
+) -> tuple[Array, Array]:
+    """DeltaNet: ``S_t = (I − β_t k_tᵀk_t) S_{t-1} + β_t k_tᵀ v_t``, ``o_t = q_t S_t``.
+
+    Args:
+      q, k: ``[B, T, H, K]`` (keys should be L2-normalized); v: ``[B, T, H, V]``;
+      beta: ``[B, T, H]`` write strengths (typically in ``(0, 1)``).
+    Returns:
+      ``(o [B, T, H, V], S [B, H, K, V])``.
+    """
+    return _run("delta_rule", q, k, v, None, beta, gate=_GATE_NONE, erase=True, scale=scale,
+                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size)
+
+
+def gated_delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[Array] = None,
+    segment_ids: Optional[Array] = None,
+    mode: str = "chunked",
+    chunk_size: int = 64,
+) -> tuple[Array, Array]:
+    """Gated DeltaNet: ``S_t = α_t (I − β_t k_tᵀk_t) S_{t-1} + β_t k_tᵀ v_t``, ``α_t = exp(g_t)``.
+
+    Args:
+      g: ``[B, T, H]`` log-decay, ``<= 0`` (one scalar per head and token).
+      Others as :func:`delta_rule`.
+    """
+    return _run("gated_delta_rule", q, k, v, g, beta, gate=_GATE_SCALAR, erase=True, scale=scale,
+                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size)
+
+
+def kda(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[Array] = None,
+    segment_ids: Optional[Array] = None,
+    mode: str = "chunked",
+    chunk_size: int = 64,
+) -> tuple[Array, Array]:
+    """Kimi Delta Attention: ``S_t = (I − β_t k_tᵀk_t) Diag(α_t) S_{t-1} + β_t k_tᵀ v_t``.
+
+    Decay first (per key channel, ``α_t = exp(g_t)``), then erase and write.
+
+    Args:
+      g: ``[B, T, H, K]`` per-channel log-decay, ``<= 0``.
+      Others as :func:`delta_rule`.
+    """
+    return _run("kda", q, k, v, g, beta, gate=_GATE_CHANNEL, erase=True, scale=scale,
+                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size)
+
+
+# ----------------------------------------------------------------------------
+# Decode steps: one token, ``[B, H, D]``.
+# ----------------------------------------------------------------------------
+def _step(fn, q_t, k_t, v_t, g_t, beta_t, state, *, gate, erase, scale, cast=True):
+    V.require_rank(fn, "q_t", q_t, 3, "[B,H,K]")
+    B, H, K = V.shape_of(q_t)
+    V.require_shape(fn, "k_t", k_t, (B, H, K), "[B,H,K] (same as q_t)")
+    V.require_rank(fn, "v_t", v_t, 3, "[B,H,V]")
+    if V.shape_of(v_t)[:2] != (B, H):
+        raise ValueError(f"{fn}: `v_t` must have shape [B,H,V] with B,H = {(B, H)}, got {V.shape_of(v_t)}")
+    Vd = V.shape_of(v_t)[2]
+    if gate == _GATE_SCALAR:
+        V.require_shape(fn, "g_t", g_t, (B, H), "[B,H]")
+    elif gate == _GATE_CHANNEL:
+        V.require_shape(fn, "g_t", g_t, (B, H, K), "[B,H,K]")
+    if g_t is not None:
+        V.check_log_decay(fn, "g_t", g_t)
+    if beta_t is not None:
+        V.require_shape(fn, "beta_t", beta_t, (B, H), "[B,H]")
+    dt = _compute_dtype(q_t, k_t, v_t, g_t, beta_t)
+    if state is None:
+        state = jnp.zeros((B, H, K, Vd), dt)
+    V.require_shape(fn, "state", state, (B, H, K, Vd), "[B,H,K,V]")
+    scale = V.resolve_scale(fn, scale, K)
+    x = core.RuleInputs(
+        q=q_t.astype(dt) * scale,
+        k=k_t.astype(dt),
+        v=v_t.astype(dt),
+        g=None if g_t is None else (g_t.astype(dt)[..., None] if gate == _GATE_SCALAR else g_t.astype(dt)),
+        beta=None if beta_t is None else beta_t.astype(dt),
+    )
+    o, S = core.step(state.astype(dt), x, erase=erase)
+    return (o.astype(jnp.result_type(q_t, k_t, v_t)) if cast else o), S
+
+
+def linear_attention_step(
+    q_t: Array,
+    k_t: Array,
+    v_t: Array,
+    state: Optional[LinearState],
+    *,
+    scale: Optional[float] = None,
+    normalize: Optional[bool] = None,
+    eps: float = 1e-6,
+) -> tuple[Array, LinearState]:
+    """One token of :func:`linear_attention`. ``state`` is ``S`` or ``(S, z)``;
+    ``normalize`` defaults to whether ``state`` is a pair (``None`` state: no normalizer)."""
+    fn = "linear_attention_step"
+    paired = isinstance(state, (tuple, list))
+    if normalize is None:
+        normalize = paired
+    if not normalize:
+        if paired:
+            raise ValueError(f"{fn}: `state` is an (S, z) pair but `normalize=False`")
+        return _step(fn, q_t, k_t, v_t, None, None, state, gate=_GATE_NONE, erase=False, scale=scale)
+    V.require_rank(fn, "v_t", v_t, 3, "[B,H,V]")
+    V.require_rank(fn, "q_t", q_t, 3, "[B,H,K]")
+    B, H, K = V.shape_of(q_t)
+    Vd = V.shape_of(v_t)[-1]
+    S0 = _augmented_state(fn, state, (B, H, K, Vd), _compute_dtype(q_t, k_t, v_t), name="state")
+    v_aug = jnp.concatenate([v_t, jnp.ones((*v_t.shape[:-1], 1), v_t.dtype)], axis=-1)
+    o_aug, S_aug = _step(fn, q_t, k_t, v_aug, None, None, S0, gate=_GATE_NONE, erase=False, scale=scale, cast=False)
+    o = _normalized_read(o_aug, eps).astype(jnp.result_type(q_t, k_t, v_t))
+    return o, (S_aug[..., :-1], S_aug[..., -1])
+
+
+def delta_rule_step(q_t, k_t, v_t, beta_t, state, *, scale=None) -> tuple[Array, Array]:
+    """One token of :func:`delta_rule`: ``[B, H, D]`` inputs, ``beta_t [B, H]``."""
+    return _step("delta_rule_step", q_t, k_t, v_t, None, beta_t, state, gate=_GATE_NONE, erase=True, scale=scale)
+
+
+def gated_delta_rule_step(q_t, k_t, v_t, g_t, beta_t, state, *, scale=None) -> tuple[Array, Array]:
+    """One token of :func:`gated_delta_rule`: ``g_t, beta_t [B, H]``."""
+    return _step("gated_delta_rule_step", q_t, k_t, v_t, g_t, beta_t, state, gate=_GATE_SCALAR, erase=True, scale=scale)
+
+
+def kda_step(q_t, k_t, v_t, g_t, beta_t, state, *, scale=None) -> tuple[Array, Array]:
+    """One token of :func:`kda`: ``g_t [B, H, K]``, ``beta_t [B, H]``."""
+    return _step("kda_step", q_t, k_t, v_t, g_t, beta_t, state, gate=_GATE_CHANNEL, erase=True, scale=scale)
+
+
+# ----------------------------------------------------------------------------
+# Linear-attention state helpers.
+# ----------------------------------------------------------------------------
+def _plain_state(fn: str, state: Any) -> Any:
+    if isinstance(state, (tuple, list)):
+        raise ValueError(f"{fn}: `initial_state` is an (S, z) pair but `normalize=False`; pass S alone")
+    return state
+
+
+def _augmented_state(fn, state, shape, dtype, name="initial_state"):
+    """``(S, z)`` -> ``[B, H, K, V + 1]`` with ``z`` as the last value column."""
+    B, H, K, Vd = shape
+    if state is None:
+        return jnp.zeros((B, H, K, Vd + 1), dtype)
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise ValueError(f"{fn}: with `normalize=True`, `{name}` must be a pair (S [B,H,K,V], z [B,H,K])")
+    S, z = state
+    V.require_shape(fn, f"{name}[0] (S)", S, (B, H, K, Vd), "[B,H,K,V]")
+    V.require_shape(fn, f"{name}[1] (z)", z, (B, H, K), "[B,H,K]")
+    dt = jnp.result_type(dtype, S, z)
+    return jnp.concatenate([S.astype(dt), z.astype(dt)[..., None]], axis=-1)
+
+
+def _normalized_read(o_aug: Array, eps: float) -> Array:
+    num, den = o_aug[..., :-1], o_aug[..., -1:]
+    return num / (den + eps)

@@ -1,0 +1,156 @@
+"""Softmax attention and its KV cache: the memory that keeps everything.
+
+``o_t = softmax(q_t K_{1:t}ᵀ · scale) V_{1:t}``. Layout ``[B, T, H, D]``; keys and
+values may have fewer heads than queries (grouped-query attention: ``H`` must be a
+multiple of ``Hkv``). Scores and the softmax are computed in float32 (or wider).
+
+The cache is a pytree (:class:`KVCache`) of preallocated ``[B, L, Hkv, D]`` slots
+plus a per-row fill length; :func:`softmax_attention_step` appends one token and
+reads every filled slot, so prefill followed by decode equals the full sequence.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lineage_jax.memory import _validate as V
+
+Array = jax.Array
+
+
+class KVCache(NamedTuple):
+    """Growing memory of one attention layer.
+
+    k: ``[B, L, Hkv, K]`` keys; v: ``[B, L, Hkv, V]`` values (``L`` = capacity);
+    length: ``[B]`` int32, the number of filled slots per row.
+    """
+
+    k: Array
+    v: Array
+    length: Array
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
+def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, *,
+                  v_head_dim: Optional[int] = None, dtype=jnp.float32) -> KVCache:
+    """An empty cache with room for ``max_len`` tokens."""
+    for name, val in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(val, int) or val <= 0:
+            raise ValueError(f"init_kv_cache: `{name}` must be a positive int, got {val!r}")
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    return KVCache(
+        k=jnp.zeros((batch, max_len, num_kv_heads, head_dim), dtype),
+        v=jnp.zeros((batch, max_len, num_kv_heads, v_head_dim), dtype),
+        length=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def kv_cache_from_prefill(k: Array, v: Array, max_len: int) -> KVCache:
+    """A cache holding a prefilled prompt's keys/values ``[B, T, Hkv, D]``, capacity ``max_len``."""
+    fn = "kv_cache_from_prefill"
+    V.require_rank(fn, "k", k, 4, "[B,T,Hkv,K]")
+    V.require_rank(fn, "v", v, 4, "[B,T,Hkv,V]")
+    B, T, Hk, _ = V.shape_of(k)
+    if V.shape_of(v)[:3] != (B, T, Hk):
+        raise ValueError(f"{fn}: `v` must match `k` in [B,T,Hkv] = {(B, T, Hk)}, got {V.shape_of(v)}")
+    if not isinstance(max_len, int) or max_len < T:
+        raise ValueError(f"{fn}: `max_len` must be an int >= the prompt length {T}, got {max_len!r}")
+    pad = [(0, 0), (0, max_len - T), (0, 0), (0, 0)]
+    return KVCache(jnp.pad(k, pad), jnp.pad(v, pad), jnp.full((B,), T, jnp.int32))
+
+
+def _check_heads(fn: str, H: int, Hk: int) -> int:
+    if Hk <= 0 or H % Hk:
+        raise ValueError(f"{fn}: query heads H={H} must be a multiple of key/value heads Hkv={Hk}")
+    return H // Hk
+
+
+def _attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
+    """q ``[B, Tq, H, K]``, k/v ``[B, Tk, Hkv, D]``, mask broadcastable to ``[B, H, Tq, Tk]``."""
+    B, Tq, H, K = q.shape
+    Hk = k.shape[2]
+    dt = jnp.result_type(jnp.float32, q, k, v)
+    qg = q.astype(dt).reshape(B, Tq, Hk, H // Hk, K) * scale
+    s = jnp.einsum("bqhgk,bshk->bhgqs", qg, k.astype(dt), precision=lax.Precision.HIGHEST)
+    s = s.reshape(B, H, Tq, -1)
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(mask, p, 0.0)  # rows with no visible key (never for causal) read zero, not NaN
+    p = p.reshape(B, Hk, H // Hk, Tq, -1)
+    o = jnp.einsum("bhgqs,bshv->bqhgv", p, v.astype(dt), precision=lax.Precision.HIGHEST)
+    return o.reshape(B, Tq, H, -1).astype(jnp.result_type(q, k, v))
+
+
+def softmax_attention(q: Array, k: Array, v: Array, *, scale: Optional[float] = None,
+                      causal: bool = True, segment_ids: Optional[Array] = None) -> Array:
+    """Softmax attention over a whole sequence.
+
+    Args:
+      q: ``[B, T, H, K]``; k: ``[B, S, Hkv, K]``; v: ``[B, S, Hkv, V]`` (``S = T`` when causal).
+      scale: multiplies ``q`` (default ``K ** -0.5``).
+      causal: token ``t`` sees keys ``<= t``.
+      segment_ids: ``[B, T]``; a token sees only keys of its own contiguous segment.
+    Returns:
+      ``o [B, T, H, V]``.
+    """
+    fn = "softmax_attention"
+    V.require_rank(fn, "q", q, 4, "[B,T,H,K]")
+    V.require_rank(fn, "k", k, 4, "[B,S,Hkv,K]")
+    V.require_rank(fn, "v", v, 4, "[B,S,Hkv,V]")
+    B, T, H, K = V.shape_of(q)
+    _, S, Hk, _ = V.shape_of(k)
+    V.require_shape(fn, "k", k, (B, S, Hk, K), "[B,S,Hkv,K] (B, K as in q)")
+    if V.shape_of(v)[:3] != (B, S, Hk):
+        raise ValueError(f"{fn}: `v` must have shape [B,S,Hkv,V] with B,S,Hkv = {(B, S, Hk)}, got {V.shape_of(v)}")
+    _check_heads(fn, H, Hk)
+    if causal and S != T:
+        raise ValueError(f"{fn}: causal attention needs as many keys as queries; `k` has S={S}, `q` has T={T}")
+    if segment_ids is not None and S != T:
+        raise ValueError(f"{fn}: `segment_ids` needs S == T, got S={S}, T={T}")
+    V.check_segment_ids(fn, segment_ids, B, T)
+    scale = V.resolve_scale(fn, scale, K)
+    mask = jnp.ones((1, 1, T, S), dtype=bool)
+    if causal:
+        mask = mask & jnp.tril(jnp.ones((T, S), dtype=bool))
+    if segment_ids is not None:
+        seg = jnp.asarray(segment_ids)
+        doc = jnp.cumsum(jnp.concatenate([jnp.zeros_like(seg[:, :1], dtype=jnp.int32),
+                                          (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)], axis=1), axis=1)
+        mask = mask & (doc[:, None, :, None] == doc[:, None, None, :])
+    return _attend(q, k, v, mask, scale)
+
+
+def softmax_attention_step(q_t: Array, k_t: Array, v_t: Array, cache: KVCache, *,
+                           scale: Optional[float] = None) -> tuple[Array, KVCache]:
+    """Decode one token: append ``(k_t, v_t)`` to ``cache``, read every filled slot.
+
+    Args:
+      q_t: ``[B, H, K]``; k_t: ``[B, Hkv, K]``; v_t: ``[B, Hkv, V]``.
+    Returns:
+      ``(o_t [B, H, V], cache)`` with each row's length advanced by one.
+    """
+    fn = "softmax_attention_step"
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"{fn}: `cache` must be a KVCache (see init_kv_cache / kv_cache_from_prefill), got {type(cache).__name__}")
+    V.require_rank(fn, "q_t", q_t, 3, "[B,H,K]")
+    B, H, K = V.shape_of(q_t)
+    _, L, Hk, _ = V.shape_of(cache.k)
+    V.require_shape(fn, "k_t", k_t, (B, Hk, K), "[B,Hkv,K] (as the cache)")
+    V.require_shape(fn, "v_t", v_t, (B, Hk, cache.v.shape[-1]), "[B,Hkv,V] (as the cache)")
+    _check_heads(fn, H, Hk)
+    if V.is_concrete(cache.length) and int(jnp.max(cache.length)) >= L:
+        raise ValueError(f"{fn}: `cache` is full (capacity {L}); allocate a larger max_len")
+    scale = V.resolve_scale(fn, scale, K)
+    rows = jnp.arange(B)
+    k_all = cache.k.at[rows, cache.length].set(k_t.astype(cache.k.dtype))
+    v_all = cache.v.at[rows, cache.length].set(v_t.astype(cache.v.dtype))
+    visible = jnp.arange(L)[None, :] <= cache.length[:, None]  # [B, L]
+    o = _attend(q_t[:, None], k_all, v_all, visible[:, None, None, :], scale)[:, 0]
+    return o, KVCache(k_all, v_all, cache.length + 1)
