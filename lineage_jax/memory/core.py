@@ -125,49 +125,68 @@ def _subblock(chunk: int) -> int:
     return 16 if chunk % 16 == 0 else chunk
 
 
-def decayed_scores(lefts: tuple[Array, ...], right: Array, G: Optional[Array]) -> tuple[Array, ...]:
-    """``P[i, j] = Σ_c left_i[c] · right_j[c] · exp(G_i[c] − G_j[c])`` for ``j <= i``, else 0.
+def segment_sums(g: Array) -> Array:
+    """``D[i, j] = Σ_{j < s <= i} g_s`` for ``i > j`` (0 elsewhere): ``[..., C, Kg] -> [..., C, C, Kg]``.
 
-    ``left``/``right`` are ``[..., C, K]``, ``G`` the within-chunk cumulative
-    log-decay ``[..., C, Kg]`` (non-increasing in ``i``) or ``None``.
+    ``exp(D[i, j])`` is the decay between tokens ``j`` and ``i``. Each entry is a
+    direct running sum of the gates in between, never a difference of two long
+    cumulative sums: with gates near −20 a chunk's cumulative sum reaches −1000,
+    whose float32 spacing (~1e-4) would swamp a nearby pair's true difference.
+    """
+    C = g.shape[-2]
+    below = jnp.tril(jnp.ones((C, C), dtype=bool), -1)[:, :, None]
+    x = jnp.where(below, g[..., :, None, :], jnp.zeros((), g.dtype))  # x[s, j] = g_s for s > j
+    return jnp.cumsum(x, axis=-3)
 
-    Numerics: ``exp(G_i)`` and ``exp(−G_j)`` are never formed separately (with
-    strong gates they over/underflow). Scalar decays build ``Γ_ij`` directly from
-    masked differences. Per-channel decays split the chunk into sub-blocks of 16:
-    diagonal blocks use explicit masked differences, and an off-diagonal pair
-    (row block ``I``, column ``j`` before it) is anchored at ``a = first row of I``:
-    ``exp(G_i − G_a) · exp(G_a − G_j)`` with both exponents ``<= 0``.
+
+def decayed_scores(lefts: tuple[Array, ...], right: Array, g: Optional[Array]) -> tuple[Array, ...]:
+    """``P[i, j] = Σ_c left_i[c] · right_j[c] · Π_{j<s<=i} α_s[c]`` for ``j <= i``, else 0.
+
+    ``left``/``right`` are ``[..., C, K]``; ``g`` the chunk's log-decays
+    ``[..., C, Kg]`` (``Kg`` = 1 or ``K``) or ``None``.
+
+    Numerics: decays are ``exp`` of segment sums (exponent <= 0; see
+    :func:`segment_sums`) — never ``exp(G_i) · exp(−G_j)``, which overflows. The
+    diagonal (``exp(0) = 1``) is set, not computed, so no cancelling cotangents
+    reach the gates. Per-channel decays avoid a ``[C, C, K]`` tensor by splitting
+    the chunk into sub-blocks of 16: diagonal blocks are explicit, and a pair
+    (row block ``I``, column ``j`` in an earlier block) is anchored at
+    ``a = first row of I``: ``decay(j→i) = decay(a→i) · decay(j→a)``, both <= 1.
     """
     C = right.shape[-2]
     incl = jnp.tril(jnp.ones((C, C), dtype=bool))
-    if G is None:
+    if g is None:
         return tuple(jnp.where(incl, _einsum("...ik,...jk->...ij", left, right), 0.0) for left in lefts)
-    if G.shape[-1] == 1:
-        gamma = _masked_exp(G[..., :, None, 0] - G[..., None, :, 0], incl)
+    strict = jnp.tril(jnp.ones((C, C), dtype=bool), -1)
+    if g.shape[-1] == 1:
+        gamma = _masked_exp(segment_sums(g)[..., 0], strict) + jnp.eye(C, dtype=g.dtype)
         return tuple(_einsum("...ik,...jk->...ij", left, right) * gamma for left in lefts)
 
     s = _subblock(C)
     nb = C // s
     K = right.shape[-1]
     lead = right.shape[:-2]
-    Gb = G.reshape(*lead, nb, s, K)
+    gb = g.reshape(*lead, nb, s, K)
     Rb = right.reshape(*lead, nb, s, K)
-    # Diagonal sub-blocks, explicit: [..., nb, s, s, K].
-    diag_mask = jnp.tril(jnp.ones((s, s), dtype=bool))[:, :, None]
-    E = _masked_exp(Gb[..., :, :, None, :] - Gb[..., :, None, :, :], diag_mask)
-    # Off-diagonal: anchor each row block at its first row.
-    Ga = Gb[..., :, 0, :]  # [..., nb, K]
-    col_before = jnp.arange(C)[None, :] < (jnp.arange(nb) * s)[:, None]  # [nb, C]
-    R_anch = right[..., None, :, :] * _masked_exp(
-        Ga[..., :, None, :] - G[..., None, :, :], col_before[:, :, None]
-    )  # [..., nb, C, K]
+    # Diagonal sub-blocks, explicit: E[n, i, j, :] = decay(j → i) inside block n.
+    E = _masked_exp(segment_sums(gb), jnp.tril(jnp.ones((s, s), dtype=bool), -1)[:, :, None])
+    E = E + jnp.eye(s, dtype=g.dtype)[:, :, None]
+    # Row side of the anchor: decay(a → i) = exp(Σ_{a < t <= i} g_t) within the block.
+    left_decay = jnp.exp(jnp.cumsum(gb.at[..., 0, :].set(0.0), axis=-2))  # [..., nb, s, K]
+    # Column side: decay(j → a_I) = exp(Σ_{j < t <= a_I} g_t) for columns before block I.
+    anchors = jnp.arange(nb) * s
+    upto = jnp.arange(C)[None, :] <= anchors[:, None]  # [nb, C]: t <= a_I
+    g_upto = jnp.where(upto[:, :, None], g[..., None, :, :], 0.0)  # [..., nb, C, K]
+    suffix = jnp.cumsum(g_upto[..., ::-1, :], axis=-2)[..., ::-1, :]  # Σ_{j <= t <= a_I}
+    suffix = jnp.concatenate([suffix[..., 1:, :], jnp.zeros_like(suffix[..., :1, :])], axis=-2)
+    col_before = (jnp.arange(C)[None, :] < anchors[:, None])[:, :, None]  # [nb, C, 1]
+    R_anch = right[..., None, :, :] * _masked_exp(suffix, col_before)  # [..., nb, C, K]
     eye = jnp.eye(nb, dtype=right.dtype)
     out = []
     for left in lefts:
         Lb = left.reshape(*lead, nb, s, K)
         p_diag = _einsum("...nik,...njk,...nijk->...nij", Lb, Rb, E)
-        L_anch = Lb * jnp.exp(Gb - Ga[..., :, None, :])  # exponents <= 0
-        p_off = _einsum("...nik,...njk->...nij", L_anch, R_anch).reshape(*lead, C, C)
+        p_off = _einsum("...nik,...njk->...nij", Lb * left_decay, R_anch).reshape(*lead, C, C)
         p_bd = _einsum("...nij,nm->...nimj", p_diag, eye).reshape(*lead, C, C)
         out.append(p_off + p_bd)
     return tuple(out)
@@ -230,14 +249,17 @@ def chunked(x: RuleInputs, state: Array, *, erase: bool, chunk_size: int) -> tup
         decay_out = jnp.ones((1, 1, 1, 1, 1), dtype)
         decay_end = jnp.ones((1, 1, 1, 1), dtype)
     else:
-        decay_out = jnp.exp(G[..., -1:, :] - G)
+        # G_C − G_j as the sum of the gates after j (exactly 0, with no gradient path, at j = C).
+        after = jnp.cumsum(g[..., ::-1, :], axis=-2)[..., ::-1, :]
+        after = jnp.concatenate([after[..., 1:, :], jnp.zeros_like(after[..., :1, :])], axis=-2)
+        decay_out = jnp.exp(after)
         decay_end = jnp.exp(G[..., -1, :])  # [B, H, N, Kg]
     decay_end = decay_end * sees_state[..., -1, None]
     if same_doc is not None:
         decay_out = decay_out * (doc == last_doc)[..., None]
 
     if erase:
-        M, KK = decayed_scores((q, k), k, G)
+        M, KK = decayed_scores((q, k), k, g)
         strict = ~jnp.eye(C, dtype=bool)
         A = jnp.where(strict, KK, 0.0) * beta[..., :, None]
         if same_doc is not None:
@@ -248,7 +270,7 @@ def chunked(x: RuleInputs, state: Array, *, erase: bool, chunk_size: int) -> tup
         sol = jax.scipy.linalg.solve_triangular(eye + A, rhs, lower=True, unit_diagonal=True)
         U, W = sol[..., :V], sol[..., V:]
     else:
-        (M,) = decayed_scores((q,), k, G)
+        (M,) = decayed_scores((q,), k, g)
         if same_doc is not None:
             M = M * same_doc
         U = v if beta is None else beta[..., None] * v
