@@ -10,6 +10,7 @@ parallel form (``mode="chunked"``) and a one-token decode step.
 """
 
 from lineage_jax.memory.rules import (
+    delta_corrections,
     delta_rule,
     delta_rule_step,
     gated_delta_rule,
@@ -29,6 +30,7 @@ from lineage_jax.memory.softmax import (
 
 __all__ = [
     "KVCache",
+    "delta_corrections",
     "delta_rule",
     "delta_rule_step",
     "gated_delta_rule",

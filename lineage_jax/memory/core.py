@@ -208,6 +208,33 @@ def _to_chunks(a: Optional[Array], n: int, c: int) -> Optional[Array]:
     return a.reshape(a.shape[0], a.shape[1], n, c, *a.shape[3:])
 
 
+def ut_transform(kk: Array, k: Array, v: Array, beta: Array, decay_in: Array,
+                 same_doc: Optional[Array] = None) -> tuple[Array, Array]:
+    """The UT transform of one chunk: the erase chain as one triangular solve.
+
+    Within a chunk the corrections obey ``u_i = β_i (v_i − k̃_i S0) − Σ_{j<i} A_ij u_j``
+    with ``A_ij = β_i Σ_c k_i k_j Π_{j<s<=i} α_s`` (strictly lower). So
+    ``(I + A) Ũ = β V − (β K ⊙ e^G) S0``, and with ``T = (I + A)⁻¹``:
+    ``U = T(β ⊙ V)``, ``W = T(β ⊙ K ⊙ e^G)``, ``Ũ = U − W S0``.
+
+    Args:
+      kk: decayed key overlaps ``[..., C, C]`` (:func:`decayed_scores` of ``k`` with itself).
+      k, v: ``[..., C, K]``, ``[..., C, V]``; beta: ``[..., C]``.
+      decay_in: ``e^{G_t}`` from the chunk start (0 past a reset), broadcastable to ``k``.
+      same_doc: optional ``[..., C, C]`` mask of token pairs in one document.
+    Returns:
+      ``(U [..., C, V], W [..., C, K])``.
+    """
+    C = k.shape[-2]
+    A = jnp.where(~jnp.eye(C, dtype=bool), kk, 0.0) * beta[..., :, None]
+    if same_doc is not None:
+        A = A * same_doc
+    rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * k * decay_in], axis=-1)
+    eye = jnp.eye(C, dtype=A.dtype)
+    sol = jax.scipy.linalg.solve_triangular(eye + A, rhs, lower=True, unit_diagonal=True)
+    return sol[..., : v.shape[-1]], sol[..., v.shape[-1]:]
+
+
 def chunked(x: RuleInputs, state: Array, *, erase: bool, chunk_size: int) -> tuple[Array, Array]:
     """The rule in WY/UT chunked form. Same inputs and results as :func:`recurrent`.
 
@@ -260,21 +287,13 @@ def chunked(x: RuleInputs, state: Array, *, erase: bool, chunk_size: int) -> tup
 
     if erase:
         M, KK = decayed_scores((q, k), k, g)
-        strict = ~jnp.eye(C, dtype=bool)
-        A = jnp.where(strict, KK, 0.0) * beta[..., :, None]
-        if same_doc is not None:
-            M = M * same_doc
-            A = A * same_doc
-        rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * k * decay_in], axis=-1)
-        eye = jnp.eye(C, dtype=dtype)
-        sol = jax.scipy.linalg.solve_triangular(eye + A, rhs, lower=True, unit_diagonal=True)
-        U, W = sol[..., :V], sol[..., V:]
+        U, W = ut_transform(KK, k, v, beta, decay_in, same_doc)
     else:
         (M,) = decayed_scores((q,), k, g)
-        if same_doc is not None:
-            M = M * same_doc
         U = v if beta is None else beta[..., None] * v
         W = None
+    if same_doc is not None:
+        M = M * same_doc
 
     q_in = q * decay_in
     k_out = k * decay_out

@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lineage_jax.memory import _validate as V
 from lineage_jax.memory import core
@@ -321,3 +322,46 @@ def _augmented_state(fn, state, shape, dtype, name="initial_state"):
 def _normalized_read(o_aug: Array, eps: float) -> Array:
     num, den = o_aug[..., :-1], o_aug[..., -1:]
     return num / (den + eps)
+
+
+# ----------------------------------------------------------------------------
+# The chunk solve, exposed.
+# ----------------------------------------------------------------------------
+def delta_corrections(
+    k: Array,
+    v: Array,
+    beta: Array,
+    g: Optional[Array] = None,
+    *,
+    initial_state: Optional[Array] = None,
+) -> Array:
+    """The WY/UT triangular solve over one chunk: every correction at once.
+
+    Returns ``u_t = β_t (v_t − k_t Diag(α_t) S_{t-1})`` for all ``t`` — the deltas the
+    sequential rule writes (``S_t = Diag(α_t) S_{t-1} + k_tᵀ u_t``) — computed as
+    ``Ũ = T(β V) − T(β K ⊙ e^G) S0`` with ``T = (I + A)⁻¹``, no token loop. The whole
+    sequence is one chunk, so keep ``T`` small (it is a ``T × T`` solve).
+
+    Args:
+      k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
+      g: optional log-decay ``[B, T, H]`` (scalar) or ``[B, T, H, K]`` (per channel).
+      initial_state: ``S0 [B, H, K, V]`` (default zeros).
+    Returns:
+      ``u [B, T, H, V]``.
+    """
+    fn = "delta_corrections"
+    V.require_rank(fn, "k", k, 4, "[B,T,H,K]")
+    B, T, H, K = V.shape_of(k)
+    gate = _GATE_NONE if g is None else (_GATE_SCALAR if np.ndim(g) == 3 else _GATE_CHANNEL)
+    _, _, _, _, Vd = _check_sequence(fn, k, k, v, g, beta, gate, None, None, "chunked", T)
+    dt = _compute_dtype(k, v, g, beta)
+    to_bh = lambda a: None if a is None else jnp.moveaxis(jnp.asarray(a).astype(dt), 2, 1)  # [B,H,T,...]
+    kk_, v_, beta_ = to_bh(k), to_bh(v), to_bh(beta)
+    g_ = None if g is None else to_bh(g if gate == _GATE_CHANNEL else jnp.asarray(g)[..., None])
+    decay_in = jnp.ones((1, 1, 1, 1), dt) if g_ is None else jnp.exp(jnp.cumsum(g_, axis=-2))
+    (overlaps,) = core.decayed_scores((kk_,), kk_, g_)
+    U, W = core.ut_transform(overlaps, kk_, v_, beta_, decay_in)
+    if initial_state is not None:
+        V.require_shape(fn, "initial_state", initial_state, (B, H, K, Vd), "[B,H,K,V]")
+        U = U - jnp.einsum("bhtk,bhkv->bhtv", W, initial_state.astype(dt), precision="highest")
+    return jnp.moveaxis(U, 1, 2)

@@ -1,0 +1,1 @@
+"""Experiment scripts that measure the seeds' claims (each writes JSON + a PNG)."""
