@@ -25,6 +25,7 @@ from lineage_jax.memory.softmax import (
     init_kv_cache,
     kv_cache_from_prefill,
     softmax_attention,
+    softmax_attention_extend,
     softmax_attention_step,
 )
 
@@ -42,5 +43,6 @@ __all__ = [
     "linear_attention",
     "linear_attention_step",
     "softmax_attention",
+    "softmax_attention_extend",
     "softmax_attention_step",
 ]

@@ -127,6 +127,52 @@ def softmax_attention(q: Array, k: Array, v: Array, *, scale: Optional[float] = 
     return _attend(q, k, v, mask, scale)
 
 
+def softmax_attention_extend(q: Array, k: Array, v: Array, cache: KVCache, *, scale: Optional[float] = None,
+                             segment_ids: Optional[Array] = None) -> tuple[Array, KVCache]:
+    """Append ``T`` tokens to ``cache`` and attend causally over everything filled.
+
+    Row ``b``'s new tokens take positions ``cache.length[b] + t``. Prefill is this
+    call on an empty cache; :func:`softmax_attention_step` is ``T = 1``.
+
+    Args:
+      q: ``[B, T, H, K]``; k: ``[B, T, Hkv, K]``; v: ``[B, T, Hkv, V]``.
+      segment_ids: optional ``[B, T]`` for the new tokens; the cached tokens count as
+        the first new segment's document (the prompt continues what is cached).
+    Returns:
+      ``(o [B, T, H, V], cache)``.
+    """
+    fn = "softmax_attention_extend"
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"{fn}: `cache` must be a KVCache (see init_kv_cache / kv_cache_from_prefill), got {type(cache).__name__}")
+    V.require_rank(fn, "q", q, 4, "[B,T,H,K]")
+    B, T, H, K = V.shape_of(q)
+    _, L, Hk, _ = V.shape_of(cache.k)
+    V.require_shape(fn, "k", k, (B, T, Hk, K), "[B,T,Hkv,K] (as the cache)")
+    V.require_shape(fn, "v", v, (B, T, Hk, cache.v.shape[-1]), "[B,T,Hkv,V] (as the cache)")
+    _check_heads(fn, H, Hk)
+    V.check_segment_ids(fn, segment_ids, B, T)
+    if V.is_concrete(cache.length) and int(jnp.max(cache.length)) + T > L:
+        raise ValueError(f"{fn}: `cache` is full: {int(jnp.max(cache.length))} + {T} tokens exceed capacity {L}; "
+                         "allocate a larger max_len")
+    scale = V.resolve_scale(fn, scale, K)
+    write = jax.vmap(lambda buf, new, start: lax.dynamic_update_slice_in_dim(buf, new, start, axis=0))
+    k_all = write(cache.k, k.astype(cache.k.dtype), cache.length)
+    v_all = write(cache.v, v.astype(cache.v.dtype), cache.length)
+    q_pos = cache.length[:, None] + jnp.arange(T)[None, :]  # [B, T]
+    key_pos = jnp.arange(L)
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
+    if segment_ids is not None:
+        seg = jnp.asarray(segment_ids)
+        doc_new = jnp.cumsum(jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
+                                              (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)], axis=1), axis=1)
+        # Document of every slot: cached slots are doc 0, new slot j holds token j − length.
+        idx = jnp.clip(key_pos[None, :] - cache.length[:, None], 0, T - 1)
+        doc_key = jnp.where(key_pos[None, :] < cache.length[:, None], 0, jnp.take_along_axis(doc_new, idx, axis=1))
+        mask = mask & (doc_new[:, :, None] == doc_key[:, None, :])
+    o = _attend(q, k_all, v_all, mask[:, None], scale)
+    return o, KVCache(k_all, v_all, cache.length + T)
+
+
 def softmax_attention_step(q_t: Array, k_t: Array, v_t: Array, cache: KVCache, *,
                            scale: Optional[float] = None) -> tuple[Array, KVCache]:
     """Decode one token: append ``(k_t, v_t)`` to ``cache``, read every filled slot.
@@ -144,13 +190,5 @@ def softmax_attention_step(q_t: Array, k_t: Array, v_t: Array, cache: KVCache, *
     _, L, Hk, _ = V.shape_of(cache.k)
     V.require_shape(fn, "k_t", k_t, (B, Hk, K), "[B,Hkv,K] (as the cache)")
     V.require_shape(fn, "v_t", v_t, (B, Hk, cache.v.shape[-1]), "[B,Hkv,V] (as the cache)")
-    _check_heads(fn, H, Hk)
-    if V.is_concrete(cache.length) and int(jnp.max(cache.length)) >= L:
-        raise ValueError(f"{fn}: `cache` is full (capacity {L}); allocate a larger max_len")
-    scale = V.resolve_scale(fn, scale, K)
-    rows = jnp.arange(B)
-    k_all = cache.k.at[rows, cache.length].set(k_t.astype(cache.k.dtype))
-    v_all = cache.v.at[rows, cache.length].set(v_t.astype(cache.v.dtype))
-    visible = jnp.arange(L)[None, :] <= cache.length[:, None]  # [B, L]
-    o = _attend(q_t[:, None], k_all, v_all, visible[:, None, None, :], scale)[:, 0]
-    return o, KVCache(k_all, v_all, cache.length + 1)
+    o, cache = softmax_attention_extend(q_t[:, None], k_t[:, None], v_t[:, None], cache, scale=scale)
+    return o[:, 0], cache

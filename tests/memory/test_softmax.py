@@ -79,3 +79,15 @@ def test_gradients_match_reference_autodiff():
     for a, b in zip(g1, g2):
         assert np.all(np.isfinite(a))
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_extend_in_pieces_with_segments_equals_full():
+    q, k, v = _qkv(6, T=16)
+    seg = np.array([[0] * 5 + [1] * 11, [2] * 9 + [4] * 7])
+    o_full = M.softmax_attention(q, k, v, segment_ids=seg)
+    cache = M.init_kv_cache(2, 20, 2, 8, v_head_dim=6)
+    o1, cache = M.softmax_attention_extend(q[:, :3], k[:, :3], v[:, :3], cache, segment_ids=seg[:, :3])
+    o2, cache = M.softmax_attention_extend(q[:, 3:], k[:, 3:], v[:, 3:], cache, segment_ids=seg[:, 3:])
+    np.testing.assert_allclose(np.concatenate([o1, o2], 1), o_full, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="cache"):
+        M.softmax_attention_extend(q[:, :5], k[:, :5], v[:, :5], cache)

@@ -1,0 +1,107 @@
+"""Shared building blocks for the Flax NNX layers.
+
+Conventions every layer follows:
+
+* Parameters are ``nnx.Param`` created by :func:`param`, each carrying
+  ``logical_axes`` metadata (one name per dimension, e.g. ``("embed", "mlp")``).
+  ``lineage_jax.parallel`` maps logical names to mesh axes with one table of rules.
+  Logical names in use: ``embed`` (model width), ``vocab``, ``heads``, ``kv_heads``,
+  ``head_dim``, ``mlp``, ``experts``, ``expert_mlp``, ``latent`` (MoE latent width),
+  ``q_lora``, ``kv_lora``, ``rope``, ``gate_rank``, ``conv``, ``layers``, ``norm``, ``None``.
+* Parameters are float32; activations run in the input's dtype, with norms,
+  softmaxes, routers and recurrent states in float32.
+* Token mixers expose ``__call__(x [B,T,D], *, segment_ids=None) -> [B,T,D]``,
+  ``init_cache(batch, max_len, dtype)``, ``prefill(x, cache, *, segment_ids=None) -> (y, cache)``
+  and ``decode(x_t [B,D], cache) -> (y_t [B,D], cache)``. Caches are plain pytrees.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+Axes = tuple[Optional[str], ...]
+
+
+def param(rngs: nnx.Rngs, init: Callable, shape: Sequence[int], axes: Axes, dtype=jnp.float32) -> nnx.Param:
+    """A parameter initialised by ``init(key, shape, dtype)`` with logical-axis metadata."""
+    shape = tuple(int(s) for s in shape)
+    if len(axes) != len(shape):
+        raise ValueError(f"param: logical axes {axes} do not match shape {shape}")
+    return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=tuple(axes))
+
+
+def normal(std: float) -> Callable:
+    return jax.nn.initializers.normal(stddev=std)
+
+
+def constant(value: float) -> Callable:
+    return jax.nn.initializers.constant(value)
+
+
+def logical_axes(module: nnx.Module):
+    """The state of ``module``'s parameters with each leaf replaced by its logical axes."""
+    state = nnx.state(module, nnx.Param)
+    return jax.tree.map(lambda v: v.get_metadata().get("logical_axes"), state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+class Dense(nnx.Module):
+    """``y = x W (+ b)``; ``W`` is ``[in, *out]`` with logical ``axes`` (one per dim of W).
+
+    ``out`` may be a tuple (e.g. ``(heads, head_dim)``) so head structure is explicit
+    in the parameter's shape and axes.
+    """
+
+    def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], *, axes: Axes,
+                 rngs: nnx.Rngs, use_bias: bool = False, std: Optional[float] = None):
+        out = (out_features,) if isinstance(out_features, int) else tuple(out_features)
+        self.out_shape = out
+        std = in_features ** -0.5 if std is None else std
+        self.kernel = param(rngs, normal(std), (in_features, *out), axes)
+        self.bias = param(rngs, constant(0.0), out, axes[1:]) if use_bias else None
+
+    def __call__(self, x: Array) -> Array:
+        w = self.kernel[...].astype(x.dtype)
+        y = jnp.tensordot(x, w, axes=1)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """``x / rms(x) * w`` in float32 (weight initialised to 1)."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6, axis_name: Optional[str] = "norm"):
+        self.eps = eps
+        self.scale = param(rngs, constant(1.0), (dim,), (axis_name,))
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """GPT-2's LayerNorm with weight and bias, in float32."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-5):
+        self.eps = eps
+        self.scale = param(rngs, constant(1.0), (dim,), ("norm",))
+        self.bias = param(rngs, constant(0.0), (dim,), ("norm",))
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        mu = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mu), axis=-1, keepdims=True)
+        y = (x32 - mu) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+
+def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)

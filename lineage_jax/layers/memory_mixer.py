@@ -1,0 +1,253 @@
+"""Fixed-state token mixers: linear attention, DeltaNet, Gated DeltaNet, KDA — one layer.
+
+They share everything but the edit to the update rule, so one module builds all
+four from ``rule``:
+
+    x ─┬─ W_q, W_k, W_v ─ [short causal conv + SiLU] ─ feature map ─┐
+       ├─ W_β ─ σ ─────────────────────────────────────── β ────────┤
+       ├─ gate(x) ─────────────────────────────────────── g ────────┼─ memory rule ─ [RMSNorm ⊙ gate(x)] ─ W_o
+       └─ (output gate) ────────────────────────────────────────────┘
+
+==========  ==============  ==============================  =======================================
+rule        feature map     gate g (log-decay)              output
+==========  ==============  ==============================  =======================================
+linear      elu + 1         —                               normalized read ``qS / (q·z + eps)``
+deltanet    SiLU, L2 q/k    —                               RMSNorm
+gdn         SiLU, L2 q/k    ``−exp(A_log)·softplus(a(x)+b)``  RMSNorm ⊙ SiLU(W_g x)   (Mamba-2 gate)
+kda         SiLU, L2 q/k    per channel, low-rank ``f_b f_a``:  RMSNorm ⊙ σ(gate(x)), gate low-rank or full
+                            ``−exp(A_log)·softplus(z + b)`` or
+                            K3's bounded ``−5·σ(exp(A)·z)``
+==========  ==============  ==============================  =======================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lineage_jax import memory
+from lineage_jax.layers.common import Dense, RMSNorm, constant, l2_normalize, normal, param
+
+Array = jax.Array
+
+RULES = ("linear", "deltanet", "gdn", "kda")
+KDA_GATES = ("softplus", "bounded")
+OUTPUT_GATES = ("none", "lowrank", "full")
+
+
+class MemoryCache(NamedTuple):
+    """Decode cache of a fixed-state mixer: the last ``conv_size − 1`` pre-conv inputs and the state."""
+
+    conv: Optional[Array]  # [B, conv_size - 1, C] or None
+    state: Any  # [B, H, K, V] float32, or (S, z) for normalized linear attention
+
+
+def _dt_bias_init(key, shape, dtype):
+    """Mamba-2: dt ~ logUniform[1e-3, 1e-1], stored as softplus⁻¹(dt)."""
+    u = jax.random.uniform(key, shape, jnp.float32)
+    dt = jnp.exp(u * (np.log(0.1) - np.log(1e-3)) + np.log(1e-3))
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+def _a_log_init(key, shape, dtype):
+    """A ~ Uniform[1, 16], stored as log A (Mamba-2)."""
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+
+
+def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array]) -> tuple[Array, Array]:
+    """Depthwise causal conv ``y_t = Σ_i w[i] · x_{t−i}`` that never crosses a document boundary.
+
+    Args:
+      x: ``[B, T, C]``; w: ``[W, C]`` (``w[0]`` weighs the current token);
+      prefix: ``[B, W−1, C]`` inputs before ``x`` (zeros at a sequence start);
+      doc: ``[B, T]`` document index of each token (prefix tokens are document 0).
+    Returns:
+      ``(y [B, T, C], new_prefix [B, W−1, C])``.
+    """
+    B, T, C = x.shape
+    W = w.shape[0]
+    if prefix is None:
+        prefix = jnp.zeros((B, W - 1, C), x.dtype)
+    xp = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
+    docp = None if doc is None else jnp.concatenate([jnp.zeros((B, W - 1), doc.dtype), doc], axis=1)
+    y = jnp.zeros((B, T, C), jnp.float32)
+    for i in range(W):
+        tap = xp[:, W - 1 - i: W - 1 - i + T].astype(jnp.float32) * w[i].astype(jnp.float32)
+        if docp is not None:
+            tap = tap * (docp[:, W - 1 - i: W - 1 - i + T] == doc)[..., None]
+        y = y + tap
+    return y.astype(x.dtype), xp[:, T:]
+
+
+def _doc_index(segment_ids: Optional[Array]) -> Optional[Array]:
+    if segment_ids is None:
+        return None
+    seg = jnp.asarray(segment_ids)
+    change = (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)
+    return jnp.cumsum(jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1), axis=1)
+
+
+class MemoryMixer(nnx.Module):
+    """A fixed-state token mixer; ``rule`` picks the edit (see the module table).
+
+    Args:
+      d_model: residual width. num_heads, head_dim: ``H`` heads of key width ``K``.
+      v_head_dim: value width ``V`` (default ``head_dim``).
+      conv_size: short causal conv width on q, k, v (0: none).
+      kda_gate: "softplus" (Kimi Linear) or "bounded" (K3: ``g = −gate_bound·σ(exp(A)·z)``).
+      gate_rank: rank of KDA's decay projection ``f_a: D→rank, f_b: rank→H·K`` (default head_dim).
+      output_norm: RMSNorm each head's read. output_gate: "none" | "lowrank" | "full".
+      chunk_size: chunk of the WY/UT training form.
+    """
+
+    def __init__(self, d_model: int, *, rule: str, num_heads: int, head_dim: int, v_head_dim: Optional[int] = None,
+                 conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
+                 output_norm: Optional[bool] = None, output_gate: Optional[str] = None, chunk_size: int = 64,
+                 rngs: nnx.Rngs):
+        if rule not in RULES:
+            raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
+        for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
+            if not isinstance(val, int) or val <= 0:
+                raise ValueError(f"MemoryMixer: `{name}` must be a positive int, got {val!r}")
+        if conv_size < 0 or conv_size == 1:
+            raise ValueError(f"MemoryMixer: `conv_size` must be 0 (none) or >= 2, got {conv_size}")
+        if kda_gate not in KDA_GATES:
+            raise ValueError(f"MemoryMixer: `kda_gate` must be one of {KDA_GATES}, got {kda_gate!r}")
+        defaults = {"linear": (False, "none"), "deltanet": (True, "none"), "gdn": (True, "full"), "kda": (True, "lowrank")}
+        output_norm = defaults[rule][0] if output_norm is None else output_norm
+        output_gate = defaults[rule][1] if output_gate is None else output_gate
+        if output_gate not in OUTPUT_GATES:
+            raise ValueError(f"MemoryMixer: `output_gate` must be one of {OUTPUT_GATES}, got {output_gate!r}")
+        H, K = num_heads, head_dim
+        Vd = head_dim if v_head_dim is None else v_head_dim
+        rank = head_dim if gate_rank is None else gate_rank
+        if rank <= 0:
+            raise ValueError(f"MemoryMixer: `gate_rank` must be positive, got {rank}")
+        self.rule, self.d_model, self.num_heads, self.head_dim, self.v_head_dim = rule, d_model, H, K, Vd
+        self.conv_size, self.kda_gate, self.gate_bound, self.chunk_size = conv_size, kda_gate, gate_bound, chunk_size
+        self.output_gate = output_gate
+
+        self.q = Dense(d_model, (H, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
+        self.k = Dense(d_model, (H, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
+        self.v = Dense(d_model, (H, Vd), axes=("embed", "heads", "head_dim"), rngs=rngs)
+        self.conv = (param(rngs, normal(conv_size ** -0.5), (conv_size, H * (2 * K + Vd)), ("conv", "heads"))
+                     if conv_size else None)
+        self.beta = Dense(d_model, H, axes=("embed", "heads"), rngs=rngs) if rule != "linear" else None
+        if rule == "gdn":
+            self.gate_a = Dense(d_model, H, axes=("embed", "heads"), rngs=rngs)
+            self.A_log = param(rngs, _a_log_init, (H,), ("heads",))
+            self.dt_bias = param(rngs, _dt_bias_init, (H,), ("heads",))
+        elif rule == "kda":
+            self.gate_a = Dense(d_model, rank, axes=("embed", "gate_rank"), rngs=rngs)
+            self.gate_b = Dense(rank, (H, K), axes=("gate_rank", "heads", "head_dim"), rngs=rngs)
+            if kda_gate == "softplus":
+                self.A_log = param(rngs, _a_log_init, (H,), ("heads",))
+                self.dt_bias = param(rngs, _dt_bias_init, (H, K), ("heads", "head_dim"))
+            else:
+                self.A_log = param(rngs, constant(0.0), (H,), ("heads",))  # exp(A) = 1 at init
+                self.dt_bias = None
+        self.norm = RMSNorm(Vd, rngs=rngs) if output_norm else None
+        if output_gate == "full":
+            self.out_gate = Dense(d_model, (H, Vd), axes=("embed", "heads", "head_dim"), rngs=rngs)
+        elif output_gate == "lowrank":
+            self.out_gate_a = Dense(d_model, Vd, axes=("embed", "gate_rank"), rngs=rngs)
+            self.out_gate = Dense(Vd, (H, Vd), axes=("gate_rank", "heads", "head_dim"), rngs=rngs)
+        self.o = param(rngs, normal((H * Vd) ** -0.5), (H, Vd, d_model), ("heads", "head_dim", "embed"))
+
+    # ------------------------------------------------------------------ pieces
+    def _check(self, fn: str, x: Array, rank: int) -> None:
+        if x.ndim != rank or x.shape[-1] != self.d_model:
+            want = "[B,T,D]" if rank == 3 else "[B,D]"
+            raise ValueError(f"MemoryMixer.{fn}: `x` must have shape {want} with D={self.d_model}, got {tuple(x.shape)}")
+
+    def _inputs(self, x: Array, conv_prefix: Optional[Array], doc: Optional[Array]):
+        """Project ``x [B,T,D]`` to the rule's ``(q, k, v, g, β)`` and the new conv prefix."""
+        B, T, _ = x.shape
+        H, K, Vd = self.num_heads, self.head_dim, self.v_head_dim
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        new_prefix = None
+        if self.conv is not None:
+            qkv = jnp.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
+            qkv, new_prefix = causal_conv(qkv, self.conv[...], conv_prefix, doc)
+            qkv = jax.nn.silu(qkv)
+            q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
+            q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, Vd)
+        if self.rule == "linear":
+            q, k = jax.nn.elu(q) + 1.0, jax.nn.elu(k) + 1.0
+        else:
+            if self.conv is None:
+                q, k = jax.nn.silu(q), jax.nn.silu(k)
+            q, k = l2_normalize(q), l2_normalize(k)
+        beta = None if self.beta is None else jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
+        g = None
+        if self.rule == "gdn":
+            a = self.gate_a(x).astype(jnp.float32) + self.dt_bias[...]
+            g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a)
+        elif self.rule == "kda":
+            z = self.gate_b(self.gate_a(x)).astype(jnp.float32)
+            if self.kda_gate == "softplus":
+                g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(z + self.dt_bias[...])
+            else:
+                g = -self.gate_bound * jax.nn.sigmoid(jnp.exp(self.A_log[...])[:, None] * z)
+        return q, k, v, g, beta, new_prefix
+
+    def _output(self, o: Array, x: Array) -> Array:
+        """``o [..., H, V]`` -> ``[..., D]`` through the optional norm and output gate."""
+        if self.norm is not None:
+            o = self.norm(o)
+        if self.output_gate != "none":
+            gx = self.out_gate(self.out_gate_a(x)) if self.output_gate == "lowrank" else self.out_gate(x)
+            act = jax.nn.silu if self.rule == "gdn" else jax.nn.sigmoid
+            o = o * act(gx.astype(jnp.float32)).astype(o.dtype)
+        return jnp.einsum("...hv,hvd->...d", o.astype(x.dtype), self.o[...].astype(x.dtype))
+
+    def _rule(self, q, k, v, g, beta, state, segment_ids):
+        kw = dict(initial_state=state, segment_ids=segment_ids, chunk_size=self.chunk_size)
+        if self.rule == "linear":
+            return memory.linear_attention(q, k, v, normalize=True, **kw)
+        if self.rule == "deltanet":
+            return memory.delta_rule(q, k, v, beta, **kw)
+        if self.rule == "gdn":
+            return memory.gated_delta_rule(q, k, v, g, beta, **kw)
+        return memory.kda(q, k, v, g, beta, **kw)
+
+    # ------------------------------------------------------------------ public
+    def __call__(self, x: Array, *, segment_ids: Optional[Array] = None) -> Array:
+        self._check("__call__", x, 3)
+        q, k, v, g, beta, _ = self._inputs(x, None, _doc_index(segment_ids))
+        o, _ = self._rule(q, k, v, g, beta, None, segment_ids)
+        return self._output(o, x)
+
+    def init_cache(self, batch: int, max_len: int = 0, dtype=jnp.float32) -> MemoryCache:
+        """A zero state (``max_len`` is ignored: the state does not grow)."""
+        H, K, Vd = self.num_heads, self.head_dim, self.v_head_dim
+        conv = (jnp.zeros((batch, self.conv_size - 1, H * (2 * K + Vd)), dtype) if self.conv is not None else None)
+        S = jnp.zeros((batch, H, K, Vd), jnp.float32)
+        state = (S, jnp.zeros((batch, H, K), jnp.float32)) if self.rule == "linear" else S
+        return MemoryCache(conv, state)
+
+    def prefill(self, x: Array, cache: MemoryCache, *, segment_ids: Optional[Array] = None):
+        """Run ``T`` tokens after ``cache`` (chunked form); returns ``(y, cache)``."""
+        self._check("prefill", x, 3)
+        q, k, v, g, beta, prefix = self._inputs(x, cache.conv, _doc_index(segment_ids))
+        o, state = self._rule(q, k, v, g, beta, cache.state, segment_ids)
+        return self._output(o, x), MemoryCache(prefix, state)
+
+    def decode(self, x_t: Array, cache: MemoryCache):
+        """One token ``x_t [B, D]`` through the rule's decode step."""
+        self._check("decode", x_t, 2)
+        q, k, v, g, beta, prefix = self._inputs(x_t[:, None], cache.conv, None)
+        q, k, v = q[:, 0], k[:, 0], v[:, 0]
+        if self.rule == "linear":
+            o, state = memory.linear_attention_step(q, k, v, cache.state)
+        elif self.rule == "deltanet":
+            o, state = memory.delta_rule_step(q, k, v, beta[:, 0], cache.state)
+        elif self.rule == "gdn":
+            o, state = memory.gated_delta_rule_step(q, k, v, g[:, 0], beta[:, 0], cache.state)
+        else:
+            o, state = memory.kda_step(q, k, v, g[:, 0], beta[:, 0], cache.state)
+        return self._output(o, x_t), MemoryCache(prefix, state)

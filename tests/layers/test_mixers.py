@@ -1,0 +1,113 @@
+"""Token mixers: decode after prefill equals the training call, for every fixed-state rule and softmax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lineage_jax.layers.attention import Attention
+from lineage_jax.layers.memory_mixer import MemoryMixer, causal_conv
+
+D = 24
+
+
+def make(kind, **kw):
+    rngs = nnx.Rngs(0)
+    if kind == "softmax":
+        return Attention(D, num_heads=4, head_dim=6, num_kv_heads=2, use_bias=True, rngs=rngs)
+    return MemoryMixer(D, rule=kind, num_heads=3, head_dim=8, v_head_dim=5, chunk_size=8, rngs=rngs, **kw)
+
+
+CASES = [("softmax", {}), ("linear", {}), ("deltanet", {}), ("deltanet", {"conv_size": 0}), ("gdn", {}),
+         ("kda", {}), ("kda", {"kda_gate": "bounded", "output_gate": "full"}), ("kda", {"gate_rank": 3})]
+
+
+call = nnx.jit(lambda m, x: m(x))
+prefill = nnx.jit(lambda m, x, c: m.prefill(x, c))
+decode = nnx.jit(lambda m, x, c: m.decode(x, c))
+
+
+def rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize("kind,kw", CASES)
+def test_prefill_then_decode_equals_call(kind, kw):
+    layer = make(kind, **kw)
+    x = jax.random.normal(jax.random.key(1), (2, 13, D))
+    y = call(layer, x)
+    assert y.shape == x.shape and np.all(np.isfinite(y))
+    cache = layer.init_cache(2, 16)
+    P = 6
+    y_pre, cache = prefill(layer, x[:, :P], cache)
+    assert rel(y_pre, y[:, :P]) <= 1e-5
+    for t in range(P, 13):
+        y_t, cache = decode(layer, x[:, t], cache)
+        assert rel(y_t, y[:, t]) <= 1e-5, t
+    # Prefill in two pieces equals one.
+    c2 = layer.init_cache(2, 16)
+    a, c2 = prefill(layer, x[:, :4], c2)
+    b, c2 = prefill(layer, x[:, 4:13], c2)
+    assert rel(jnp.concatenate([a, b], 1), y) <= 1e-5
+
+
+@pytest.mark.parametrize("kind,kw", CASES[:2] + CASES[4:6])
+def test_segments_equal_separate_runs(kind, kw):
+    layer = make(kind, **kw)
+    x = jax.random.normal(jax.random.key(2), (1, 12, D))
+    seg = jnp.asarray([[0] * 5 + [1] * 7])
+    y = layer(x, segment_ids=seg)
+    want = jnp.concatenate([layer(x[:, :5]), layer(x[:, 5:])], axis=1)
+    assert rel(y, want) <= 1e-5
+
+
+@pytest.mark.parametrize("kind,kw", CASES)
+def test_gradients_finite_and_nonzero(kind, kw):
+    layer = make(kind, **kw)
+    x = jax.random.normal(jax.random.key(3), (2, 9, D))
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2)))(layer)
+    leaves = jax.tree.leaves(grads)
+    assert leaves and all(np.all(np.isfinite(g)) for g in leaves)
+    assert sum(float(jnp.sum(jnp.abs(g))) > 0 for g in leaves) >= len(leaves) - 1
+
+
+def test_causal_conv_respects_documents_and_prefix():
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=(1, 7, 3)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(4, 3)), jnp.float32)
+    doc = jnp.asarray([[0, 0, 0, 1, 1, 1, 1]])
+    y, _ = causal_conv(x, w, None, doc)
+    want = np.zeros((7, 3))
+    for t in range(7):
+        for i in range(4):
+            if t - i >= 0 and doc[0, t - i] == doc[0, t]:
+                want[t] += np.asarray(w[i]) * np.asarray(x[0, t - i])
+    np.testing.assert_allclose(y[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_kda_gates_are_log_decays_and_bounded():
+    layer = make("kda", kda_gate="bounded")
+    x = 50.0 * jax.random.normal(jax.random.key(4), (2, 5, D))
+    _, _, _, g, beta, _ = layer._inputs(x, None, None)
+    assert g.shape == (2, 5, 3, 8) and bool(jnp.all(g <= 0)) and bool(jnp.all(g >= -5.0))
+    layer = make("gdn")
+    _, _, _, g, _, _ = layer._inputs(x, None, None)
+    assert g.shape == (2, 5, 3) and bool(jnp.all(g <= 0))
+
+
+@pytest.mark.parametrize("bad", [dict(rule="mamba"), dict(rule="kda", num_heads=0), dict(rule="kda", kda_gate="tanh"),
+                                 dict(rule="kda", output_gate="mid"), dict(rule="kda", conv_size=1)])
+def test_bad_config_names_field(bad):
+    kw = dict(num_heads=2, head_dim=4, rngs=nnx.Rngs(0))
+    kw.update(bad)
+    field = [k for k in bad if k != "rule"][-1] if len(bad) > 1 else "rule"
+    with pytest.raises(ValueError, match=field):
+        MemoryMixer(D, **kw)
+
+
+def test_bad_input_width():
+    with pytest.raises(ValueError, match="`x`"):
+        make("kda")(jnp.zeros((2, 3, D + 1)))
+    with pytest.raises(ValueError, match="`x`"):
+        make("softmax")(jnp.zeros((2, D)))
