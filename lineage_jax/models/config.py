@@ -1,0 +1,238 @@
+"""Model configs: one dataclass, validated once, and the named configs of the lineage.
+
+A model is a layer pattern — one letter per layer naming its token mixer —
+plus the FFN (dense for the first ``first_dense_layers``, MoE after when
+``num_experts > 0``) and the residual (plain, or block Attention Residuals):
+
+    S  softmax attention (GPT-2; GQA via num_kv_heads)     D  DeltaNet
+    L  linear attention (elu+1, normalized)                G  Gated DeltaNet
+    K  Kimi Delta Attention                                M  MLA
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+MIXERS = {"S": "softmax", "L": "linear", "D": "deltanet", "G": "gdn", "K": "kda", "M": "mla"}
+FFN_KINDS = ("gelu", "swiglu", "situ")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = "custom"
+    vocab_size: int = 256
+    d_model: int = 64
+    pattern: str = "S"
+    num_heads: int = 4
+    head_dim: Optional[int] = None  # default d_model // num_heads
+    num_kv_heads: Optional[int] = None  # softmax layers only (GQA)
+    positions: str = "none"  # "learned" (GPT-2) | "none"
+    max_seq_len: int = 1024  # size of the learned position table
+    norm: str = "rmsnorm"  # "layernorm" | "rmsnorm"
+    tie_embeddings: bool = False
+    attn_bias: bool = False
+    # Dense FFN.
+    ffn_kind: str = "swiglu"
+    ffn_hidden: int = 256
+    # MoE (num_experts = 0: every layer dense).
+    first_dense_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    moe_hidden: int = 0
+    num_shared_experts: int = 0
+    shared_hidden: Optional[int] = None  # merged shared-expert width (default moe_hidden × num_shared)
+    moe_latent_dim: Optional[int] = None  # latent MoE width (K3)
+    moe_activation: str = "swiglu"
+    routed_scaling_factor: float = 1.0
+    moe_dispatch: str = "ragged"  # "ragged" (dropless) | "capacity"
+    capacity_factor: float = 1.25
+    # Fixed-state mixers (L, D, G, K).
+    conv_size: int = 4
+    chunk_size: int = 64
+    kda_gate: str = "softplus"  # "softplus" (Kimi Linear) | "bounded" (K3: −5·σ(exp(A)·z))
+    kda_gate_rank: Optional[int] = None  # default head_dim
+    kda_output_gate: str = "lowrank"  # "lowrank" | "full"
+    # MLA (M).
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mla_rope: bool = False  # False: NoPE (Kimi Linear, K3)
+    mla_output_gate: bool = False
+    # Residual.
+    attnres_block: int = 0  # 0: plain residual; n > 0: block AttnRes, blocks of n layers
+    # Execution.
+    remat: bool = False
+    scan_layers: bool = True
+    scan_period: Optional[int] = None  # macrocycle length for lax.scan (default: smallest period of the pattern)
+    dtype: str = "float32"  # activation dtype ("float32" | "bfloat16"); parameters stay float32
+
+    def __post_init__(self):
+        validate(self)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_layers(self) -> int:
+        return len(self.pattern)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    def mixer(self, layer: int) -> str:
+        return MIXERS[self.pattern[layer]]
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer >= self.first_dense_layers
+
+    def layer_kind(self, layer: int) -> tuple[str, bool]:
+        return self.pattern[layer], self.is_moe(layer)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"unknown config field(s) {unknown}; valid fields: {sorted(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **changes)
+
+
+def _fail(field: str, message: str):
+    raise ValueError(f"ModelConfig.{field}: {message}")
+
+
+def validate(c: ModelConfig) -> None:
+    """Raise ``ValueError`` naming the first inconsistent field."""
+    def positive(field):
+        v = getattr(c, field)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            _fail(field, f"must be a positive int, got {v!r}")
+
+    for f in ("vocab_size", "d_model", "num_heads", "max_seq_len", "chunk_size"):
+        positive(f)
+    if not c.pattern:
+        _fail("pattern", "is empty; give one letter per layer")
+    bad = sorted(set(c.pattern) - set(MIXERS))
+    if bad:
+        _fail("pattern", f"unknown letter(s) {bad}; valid: " + ", ".join(f"{k}={v}" for k, v in MIXERS.items()))
+    if c.head_dim is None:
+        if c.d_model % c.num_heads:
+            _fail("num_heads", f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}; set head_dim explicitly")
+    else:
+        positive("head_dim")
+    if "S" in c.pattern and c.num_kv_heads is not None:
+        positive("num_kv_heads")
+        if c.num_heads % c.num_kv_heads:
+            _fail("num_kv_heads", f"num_heads={c.num_heads} must be a multiple of num_kv_heads={c.num_kv_heads}")
+    if c.positions not in ("learned", "none"):
+        _fail("positions", f"must be 'learned' or 'none', got {c.positions!r}")
+    if c.norm not in ("layernorm", "rmsnorm"):
+        _fail("norm", f"must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
+    if c.ffn_kind not in FFN_KINDS:
+        _fail("ffn_kind", f"must be one of {FFN_KINDS}, got {c.ffn_kind!r}")
+    if c.num_experts < 0:
+        _fail("num_experts", f"must be >= 0, got {c.num_experts}")
+    if not 0 <= c.first_dense_layers <= c.num_layers:
+        _fail("first_dense_layers", f"must be in [0, {c.num_layers}] (the number of layers), got {c.first_dense_layers}")
+    if c.num_experts == 0 or c.first_dense_layers > 0:
+        positive("ffn_hidden")
+    if c.num_experts > 0:
+        if not 0 < c.top_k <= c.num_experts:
+            _fail("top_k", f"must be in [1, num_experts={c.num_experts}], got {c.top_k}")
+        positive("moe_hidden")
+        if c.num_shared_experts < 0:
+            _fail("num_shared_experts", f"must be >= 0, got {c.num_shared_experts}")
+        if c.moe_latent_dim is not None:
+            positive("moe_latent_dim")
+        if c.moe_activation not in ("swiglu", "situ"):
+            _fail("moe_activation", f"must be 'swiglu' or 'situ', got {c.moe_activation!r}")
+        if c.moe_dispatch not in ("ragged", "capacity"):
+            _fail("moe_dispatch", f"must be 'ragged' or 'capacity', got {c.moe_dispatch!r}")
+        if not c.capacity_factor > 0:
+            _fail("capacity_factor", f"must be > 0, got {c.capacity_factor}")
+    if c.conv_size < 0 or c.conv_size == 1:
+        _fail("conv_size", f"must be 0 (none) or >= 2, got {c.conv_size}")
+    if c.kda_gate not in ("softplus", "bounded"):
+        _fail("kda_gate", f"must be 'softplus' or 'bounded', got {c.kda_gate!r}")
+    if c.kda_output_gate not in ("lowrank", "full"):
+        _fail("kda_output_gate", f"must be 'lowrank' or 'full', got {c.kda_output_gate!r}")
+    if "M" in c.pattern:
+        for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            positive(f)
+        if c.q_lora_rank is not None:
+            positive("q_lora_rank")
+    if c.attnres_block < 0 or c.attnres_block > c.num_layers:
+        _fail("attnres_block", f"must be 0 (plain residual) or a block size in [1, {c.num_layers}] layers, got {c.attnres_block}")
+    if c.scan_period is not None and not 0 < c.scan_period <= c.num_layers:
+        _fail("scan_period", f"must be in [1, {c.num_layers}], got {c.scan_period}")
+    if c.dtype not in ("float32", "bfloat16"):
+        _fail("dtype", f"must be 'float32' or 'bfloat16', got {c.dtype!r}")
+
+
+# ---------------------------------------------------------------------------- named configs
+def _gpt2_small() -> ModelConfig:
+    return ModelConfig(name="gpt2_small", vocab_size=50304, d_model=768, pattern="S" * 12, num_heads=12,
+                       positions="learned", max_seq_len=1024, norm="layernorm", tie_embeddings=True, attn_bias=True,
+                       ffn_kind="gelu", ffn_hidden=3072)
+
+
+def _kimi_linear_48b_a3b() -> ModelConfig:
+    # 27 layers, MLA at 1-based layers 4, 8, ..., 24 and 27.
+    pattern = "".join("M" if (i + 1) in (4, 8, 12, 16, 20, 24, 27) else "K" for i in range(27))
+    return ModelConfig(name="kimi_linear_48b_a3b", vocab_size=163840, d_model=2304, pattern=pattern, num_heads=32,
+                       head_dim=128, ffn_kind="swiglu", ffn_hidden=9216, first_dense_layers=1, num_experts=256, top_k=8,
+                       moe_hidden=1024, num_shared_experts=1, routed_scaling_factor=2.446, kv_lora_rank=512,
+                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_rope=False,
+                       kda_gate="softplus", kda_output_gate="lowrank", max_seq_len=1 << 20)
+
+
+def _kimi_k3() -> ModelConfig:
+    return ModelConfig(name="kimi_k3", vocab_size=163840, d_model=7168, pattern="KKKM" * 23 + "M", num_heads=96,
+                       head_dim=128, ffn_kind="situ", ffn_hidden=33792, first_dense_layers=1, num_experts=896, top_k=16,
+                       moe_hidden=3072, num_shared_experts=2, shared_hidden=6144, moe_latent_dim=3584,
+                       moe_activation="situ", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                       qk_rope_head_dim=64, v_head_dim=128, mla_rope=False, mla_output_gate=True, kda_gate="bounded",
+                       kda_output_gate="full", attnres_block=12, max_seq_len=1 << 20)
+
+
+_TINY = dict(vocab_size=256, d_model=64, num_heads=4, head_dim=16, ffn_hidden=128, chunk_size=16, max_seq_len=512)
+
+
+def _tiny(name: str, **kw) -> ModelConfig:
+    base = dict(_TINY)
+    base.update(kw)
+    return ModelConfig(name=name, **base)
+
+
+_TINY_MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+_TINY_MOE = dict(first_dense_layers=1, num_experts=8, top_k=2, moe_hidden=32, num_shared_experts=1)
+
+CONFIGS = {
+    "gpt2_small": _gpt2_small,
+    "kimi_linear_48b_a3b": _kimi_linear_48b_a3b,
+    "kimi_k3": _kimi_k3,
+    "tiny_gpt2": lambda: _tiny("tiny_gpt2", pattern="SS", positions="learned", norm="layernorm", tie_embeddings=True,
+                               attn_bias=True, ffn_kind="gelu"),
+    "tiny_linear": lambda: _tiny("tiny_linear", pattern="LL", conv_size=0),
+    "tiny_deltanet": lambda: _tiny("tiny_deltanet", pattern="DD"),
+    "tiny_gdn": lambda: _tiny("tiny_gdn", pattern="GG"),
+    "tiny_kda": lambda: _tiny("tiny_kda", pattern="KK"),
+    "tiny_mla": lambda: _tiny("tiny_mla", pattern="MM", **_TINY_MLA),
+    "tiny_kimi_linear": lambda: _tiny("tiny_kimi_linear", pattern="KKKM" * 2, attnres_block=4, **_TINY_MLA, **_TINY_MOE),
+    "tiny_k3": lambda: _tiny("tiny_k3", pattern="KKKM" * 3 + "M", ffn_kind="situ", moe_activation="situ",
+                             moe_latent_dim=32, shared_hidden=48, q_lora_rank=24, mla_output_gate=True,
+                             kda_gate="bounded", kda_output_gate="full", attnres_block=4,
+                             **_TINY_MLA, **dict(_TINY_MOE, num_shared_experts=2)),
+}
+
+
+def config_names() -> list[str]:
+    return sorted(CONFIGS)
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """The named config, optionally with field overrides (validated)."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown config {name!r}; valid names: {config_names()}")
+    cfg = CONFIGS[name]()
+    return cfg.replace(**overrides) if overrides else cfg

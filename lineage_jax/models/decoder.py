@@ -1,0 +1,334 @@
+"""One Decoder for the whole lineage, assembled from a layer pattern.
+
+``ModelConfig.pattern`` names each layer's token mixer; every layer is
+``norm → mixer → residual, norm → FFN (dense or MoE) → residual``, where the
+residual is a plain sum or block Attention Residuals. Consecutive identical
+macrocycles (e.g. K3's ``KKKM``) are stacked and run under one ``lax.scan`` so a
+93-layer model traces one macrocycle, not 93 layers.
+
+Three entry points share one path through the layers:
+
+* ``forward(tokens, segment_ids=None) -> (logits, aux)`` — training / scoring;
+* ``prefill(tokens, cache) -> (logits, cache)`` — a prompt, filling each layer's cache;
+* ``decode(token, cache) -> (logits, cache)`` — one token per row.
+
+``aux["moe"]`` holds the router statistics of every MoE layer (stacked per scanned group).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lineage_jax.layers import attnres as AR
+from lineage_jax.layers.attention import Attention
+from lineage_jax.layers.common import LayerNorm, RMSNorm, constant, normal, param
+from lineage_jax.layers.ffn import MLP
+from lineage_jax.layers.memory_mixer import MemoryMixer
+from lineage_jax.layers.mla import MLA
+from lineage_jax.layers.moe import MoE
+from lineage_jax.models.config import MIXERS, ModelConfig
+
+Array = jax.Array
+
+
+class DecoderCache(NamedTuple):
+    layers: tuple  # one entry per layer group (stacked along axis 0 for scanned groups)
+    length: Array  # [B] int32 tokens seen per row
+
+
+def _norm(cfg: ModelConfig, rngs: nnx.Rngs):
+    return LayerNorm(cfg.d_model, rngs=rngs) if cfg.norm == "layernorm" else RMSNorm(cfg.d_model, rngs=rngs)
+
+
+def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
+    kind = MIXERS[letter]
+    hd = cfg.resolved_head_dim
+    if kind == "softmax":
+        gpt2_init = cfg.positions == "learned"
+        return Attention(cfg.d_model, num_heads=cfg.num_heads, head_dim=hd, num_kv_heads=cfg.num_kv_heads,
+                         use_bias=cfg.attn_bias, rngs=rngs, std=0.02 if gpt2_init else None,
+                         out_std=0.02 / (2 * cfg.num_layers) ** 0.5 if gpt2_init else None)
+    if kind == "mla":
+        return MLA(cfg.d_model, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                   qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                   v_head_dim=cfg.v_head_dim, use_rope=cfg.mla_rope, output_gate=cfg.mla_output_gate, rngs=rngs)
+    return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
+                       conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
+                       gate_rank=cfg.kda_gate_rank, output_gate=cfg.kda_output_gate if kind == "kda" else None,
+                       chunk_size=cfg.chunk_size, rngs=rngs)
+
+
+def make_ffn(cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+    if not moe:
+        return MLP(cfg.d_model, cfg.ffn_hidden, kind=cfg.ffn_kind, rngs=rngs,
+                   out_std=0.02 / (2 * cfg.num_layers) ** 0.5 if cfg.ffn_kind == "gelu" else None)
+    return MoE(cfg.d_model, num_experts=cfg.num_experts, top_k=cfg.top_k, expert_hidden=cfg.moe_hidden,
+               num_shared_experts=cfg.num_shared_experts,
+               shared_hidden=cfg.shared_hidden if cfg.num_shared_experts else None,
+               activation=cfg.moe_activation, routed_scaling_factor=cfg.routed_scaling_factor,
+               latent_dim=cfg.moe_latent_dim, dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor, rngs=rngs)
+
+
+# ---------------------------------------------------------------------------- residual streams
+class _Plain:
+    """``h ← h + out``."""
+
+    def init(self, h):
+        return h
+
+    def read(self, carry, query):
+        return carry
+
+    def write(self, carry, out):
+        return carry + out.astype(carry.dtype)
+
+    def end_layer(self, carry, layer_idx):
+        return carry
+
+    def final(self, carry, query):
+        return carry
+
+
+class _AttnRes:
+    """Block AttnRes: sublayer inputs are softmax reads over depth (see layers/attnres.py)."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.block = cfg.attnres_block
+        self.max_sources = AR.max_sources(cfg.num_layers, cfg.attnres_block)
+
+    def init(self, h):
+        return AR.init(h, self.max_sources)
+
+    def read(self, carry, query):
+        return AR.read(carry, query)
+
+    def write(self, carry, out):
+        return AR.write(carry, out)
+
+    def end_layer(self, carry, layer_idx):
+        return AR.seal(carry, (layer_idx + 1) % self.block == 0)
+
+    def final(self, carry, query):
+        return AR.read(carry, query)
+
+
+def residual_stream(cfg: ModelConfig):
+    return _AttnRes(cfg) if cfg.attnres_block else _Plain()
+
+
+# ---------------------------------------------------------------------------- layers
+class Block(nnx.Module):
+    """One layer: ``norm → mixer`` and ``norm → FFN``, each added to the residual stream."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        letter, moe = cfg.layer_kind(layer)
+        self.is_moe = moe
+        self.norm1 = _norm(cfg, rngs)
+        self.mixer = make_mixer(cfg, letter, rngs=rngs)
+        self.norm2 = _norm(cfg, rngs)
+        self.ffn = make_ffn(cfg, moe, rngs=rngs)
+        # One AttnRes pseudo-query per sublayer, zero at init (= mean of the sources).
+        self.res_query = param(rngs, constant(0.0), (2, cfg.d_model), (None, "embed")) if cfg.attnres_block else None
+
+    def run(self, stream, carry, cache, layer_idx, mode: str, segment_ids):
+        q = self.res_query[...] if self.res_query is not None else (None, None)
+        x = self.norm1(stream.read(carry, q[0]))
+        if mode == "train":
+            y, cache = self.mixer(x, segment_ids=segment_ids), None
+        elif mode == "prefill":
+            y, cache = self.mixer.prefill(x, cache, segment_ids=segment_ids)
+        else:
+            y, cache = self.mixer.decode(x[:, 0], cache)
+            y = y[:, None]
+        carry = stream.write(carry, y)
+        x = self.norm2(stream.read(carry, q[1]))
+        if self.is_moe:
+            f, stats = self.ffn(x)
+        else:
+            f, stats = self.ffn(x), None
+        carry = stream.write(carry, f)
+        return stream.end_layer(carry, layer_idx), cache, stats
+
+
+class Macro(nnx.Module):
+    """``p`` consecutive layers: the unit a scanned group repeats."""
+
+    def __init__(self, cfg: ModelConfig, first_layer: int, period: int, *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([Block(cfg, first_layer + j, rngs=rngs) for j in range(period)])
+
+    def run(self, stream, carry, caches, first_idx, mode, segment_ids):
+        new_caches, stats = [], []
+        for j, block in enumerate(self.blocks):
+            carry, c, s = block.run(stream, carry, None if caches is None else caches[j], first_idx + j, mode, segment_ids)
+            new_caches.append(c)
+            stats.append(s)
+        return carry, tuple(new_caches), tuple(stats)
+
+    def init_cache(self, batch, max_len, dtype):
+        return tuple(b.mixer.init_cache(batch, max_len, dtype) for b in self.blocks)
+
+
+def smallest_period(pattern: str) -> int:
+    """Smallest ``p`` such that ``pattern`` is at least two repeats of ``pattern[:p]`` (plus a tail)."""
+    L = len(pattern)
+    for p in range(1, L // 2 + 1):
+        n = L // p
+        if pattern[:p] * n == pattern[: n * p]:
+            return p
+    return L
+
+
+def layer_groups(cfg: ModelConfig) -> list[tuple[int, int, int]]:
+    """Split the layers into ``(first_layer, period, repeats)`` groups; repeats >= 2 are scanned."""
+    L = cfg.num_layers
+    specs = [cfg.layer_kind(i) for i in range(L)]
+    p = cfg.scan_period or smallest_period(cfg.pattern)
+    groups, i = [], 0
+    while i < L:
+        if cfg.scan_layers and i + 2 * p <= L:
+            n = 1
+            while i + (n + 1) * p <= L and specs[i + n * p: i + (n + 1) * p] == specs[i: i + p]:
+                n += 1
+            if n >= 2:
+                groups.append((i, p, n))
+                i += n * p
+                continue
+        groups.append((i, 1, 1))
+        i += 1
+    return groups
+
+
+def stacked_macro(cfg: ModelConfig, first: int, period: int, repeats: int, *, rngs: nnx.Rngs) -> Macro:
+    """``repeats`` independently initialised macrocycles as one module whose parameters
+    carry a leading ``layers`` axis. Built by ``jax.vmap`` over keys, so construction
+    traces one macrocycle whatever ``repeats`` is."""
+    keys = jax.random.split(rngs.params(), repeats)
+    states = jax.vmap(lambda key: nnx.state(Macro(cfg, first, period, rngs=nnx.Rngs(key))))(keys)
+    stacked = nnx.eval_shape(lambda: Macro(cfg, first, period, rngs=nnx.Rngs(0)))
+    nnx.update(stacked, states)
+    for _, var in nnx.iter_graph(stacked):
+        if isinstance(var, nnx.Variable):
+            axes = var.get_metadata().get("logical_axes")
+            if axes is not None:
+                var.set_metadata("logical_axes", ("layers", *axes))
+    return stacked
+
+
+# ---------------------------------------------------------------------------- the model
+class Decoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, V = cfg.d_model, cfg.vocab_size
+        self.embed = param(rngs, normal(0.02), (V, D), ("vocab", "embed"))
+        self.pos = param(rngs, normal(0.01), (cfg.max_seq_len, D), (None, "embed")) if cfg.positions == "learned" else None
+        self.groups_spec = tuple(layer_groups(cfg))
+        groups = []
+        for first, p, n in self.groups_spec:
+            groups.append(Macro(cfg, first, p, rngs=rngs) if n == 1 else stacked_macro(cfg, first, p, n, rngs=rngs))
+        self.groups = nnx.List(groups)
+        self.final_norm = _norm(cfg, rngs)
+        self.final_query = param(rngs, constant(0.0), (D,), ("embed",)) if cfg.attnres_block else None
+        self.head = None if cfg.tie_embeddings else param(rngs, normal(D ** -0.5), (D, V), ("embed", "vocab"))
+
+    # ------------------------------------------------------------------ pieces
+    @property
+    def compute_dtype(self):
+        return jnp.bfloat16 if self.cfg.dtype == "bfloat16" else jnp.float32
+
+    def _check_tokens(self, fn: str, tokens: Array, rank: int) -> None:
+        if tokens.ndim != rank or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            want = "[B,T]" if rank == 2 else "[B]"
+            raise ValueError(f"Decoder.{fn}: `tokens` must be an integer array {want}, got {tokens.dtype}{tuple(tokens.shape)}")
+
+    def _embed(self, tokens: Array, positions: Array) -> Array:
+        h = jnp.take(self.embed[...], tokens, axis=0)
+        if self.pos is not None:
+            h = h + jnp.take(self.pos[...], positions, axis=0)
+        return h.astype(self.compute_dtype)
+
+    def _logits(self, h: Array) -> Array:
+        h = self.final_norm(h)
+        w = self.embed[...].T if self.head is None else self.head[...]
+        return jnp.einsum("btd,dv->btv", h.astype(jnp.float32), w.astype(jnp.float32))
+
+    def _run(self, h: Array, caches, mode: str, segment_ids):
+        stream = residual_stream(self.cfg)
+        carry = stream.init(h)
+        new_caches, moe_stats = [], []
+        for (first, p, n), group in zip(self.groups_spec, self.groups):
+            group_cache = None if caches is None else caches[len(new_caches)]
+            graphdef, state = nnx.split(group)
+
+            def body(carry, xs, first=first, graphdef=graphdef):
+                st, cache, idx = xs
+                return nnx.merge(graphdef, st).run(stream, carry, cache, idx, mode, segment_ids)
+
+            if self.cfg.remat:
+                body = jax.checkpoint(body, static_argnums=())
+            if n == 1:
+                carry, cache, stats = body(carry, (state, group_cache, first))
+            else:
+                def scan_body(carry, xs, body=body):
+                    carry, cache, stats = body(carry, xs)
+                    return carry, (cache, stats)
+
+                idx = first + p * jnp.arange(n)
+                carry, (cache, stats) = jax.lax.scan(scan_body, carry, (state, group_cache, idx))
+            new_caches.append(cache)
+            moe_stats.append(stats)
+        out = stream.final(carry, None if self.final_query is None else self.final_query[...])
+        return out, tuple(new_caches), moe_stats
+
+    # ------------------------------------------------------------------ public
+    def forward(self, tokens: Array, *, segment_ids: Optional[Array] = None,
+                positions: Optional[Array] = None) -> tuple[Array, dict[str, Any]]:
+        """``tokens [B, T]`` -> ``(logits [B, T, vocab] float32, aux)``."""
+        self._check_tokens("forward", tokens, 2)
+        B, T = tokens.shape
+        if self.pos is not None and T > self.cfg.max_seq_len:
+            raise ValueError(f"Decoder.forward: sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        h, _, stats = self._run(self._embed(tokens, positions), None, "train", segment_ids)
+        return self._logits(h), {"moe": stats}
+
+    def __call__(self, tokens: Array, *, segment_ids: Optional[Array] = None) -> Array:
+        return self.forward(tokens, segment_ids=segment_ids)[0]
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> DecoderCache:
+        caches = []
+        for (_, _, n), group in zip(self.groups_spec, self.groups):
+            if n == 1:
+                caches.append(group.init_cache(batch, max_len, dtype))
+            else:
+                graphdef, state = nnx.split(group)
+                one = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state)).init_cache(batch, max_len, dtype)
+                caches.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), one))
+        return DecoderCache(tuple(caches), jnp.zeros((batch,), jnp.int32))
+
+    def prefill(self, tokens: Array, cache: DecoderCache, *, segment_ids: Optional[Array] = None):
+        """Run a prompt ``[B, T]`` after what ``cache`` holds; ``(logits [B, T, vocab], cache)``."""
+        self._check_tokens("prefill", tokens, 2)
+        T = tokens.shape[1]
+        positions = cache.length[:, None] + jnp.arange(T)[None, :]
+        h, layers, _ = self._run(self._embed(tokens, positions), cache.layers, "prefill", segment_ids)
+        return self._logits(h), DecoderCache(layers, cache.length + T)
+
+    def decode(self, token: Array, cache: DecoderCache):
+        """One token per row ``[B]`` -> ``(logits [B, vocab], cache)``."""
+        self._check_tokens("decode", token, 1)
+        h, layers, _ = self._run(self._embed(token[:, None], cache.length[:, None]), cache.layers, "decode", None)
+        return self._logits(h)[:, 0], DecoderCache(layers, cache.length + 1)
+
+    def moe_layers(self):
+        """``(group_index, macro_position, MoE module)`` for every MoE FFN (stacked for scanned groups)."""
+        out = []
+        for g, group in enumerate(self.groups):
+            for j, block in enumerate(group.blocks):
+                if block.is_moe:
+                    out.append((g, j, block.ffn))
+        return out

@@ -1,0 +1,142 @@
+"""The Decoder: every tiny config trains, prefills and decodes consistently; scan == unrolled."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lineage_jax.layers import attnres as AR
+from lineage_jax.models import Decoder, ModelConfig, config_names, get_config, layer_groups
+
+TINY = [n for n in config_names() if n.startswith("tiny_")]
+
+call = nnx.jit(lambda m, t: m(t))
+prefill = nnx.jit(lambda m, t, c: m.prefill(t, c))
+decode = nnx.jit(lambda m, t, c: m.decode(t, c))
+
+
+def rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_decode_after_prefill_equals_full_forward(name):
+    cfg = get_config(name)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+    logits = call(model, tokens)
+    assert logits.shape == (2, 12, cfg.vocab_size) and np.all(np.isfinite(logits))
+    cache = model.init_cache(2, 16)
+    lp, cache = prefill(model, tokens[:, :7], cache)
+    assert rel(lp, logits[:, :7]) <= 1e-5
+    for t in range(7, 12):
+        lt, cache = decode(model, tokens[:, t], cache)
+        assert rel(lt, logits[:, t]) <= 1e-5, (name, t)
+    assert np.all(np.asarray(cache.length) == 12)
+
+
+def test_tiny_k3_scans_macrocycles_and_matches_unrolled():
+    cfg = get_config("tiny_k3")
+    groups = layer_groups(cfg)
+    assert any(n >= 2 for _, _, n in groups), groups  # a real lax.scan group
+    assert sum(p * n for _, p, n in groups) == cfg.num_layers
+    scanned = Decoder(cfg, rngs=nnx.Rngs(0))
+    unrolled = Decoder(cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))
+    assert all(n == 1 for _, _, n in layer_groups(unrolled.cfg))
+    # Copy the scanned model's weights into the unrolled one, layer by layer.
+    for (first, p, n), group in zip(scanned.groups_spec, scanned.groups):
+        state = nnx.state(group)
+        for r in range(n):
+            for j in range(p):
+                layer = first + r * p + j
+                target = unrolled.groups[layer].blocks[0]
+                src = jax.tree.map(lambda a: a[r] if n > 1 else a, state)
+                nnx.update(target, src["blocks"][j])
+    for name in ("embed", "head"):
+        getattr(unrolled, name)[...] = getattr(scanned, name)[...]
+    tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, cfg.vocab_size)
+    assert rel(call(unrolled, tokens), call(scanned, tokens)) <= 1e-5
+
+
+def test_stacked_layers_are_independently_initialised():
+    model = Decoder(get_config("tiny_k3"), rngs=nnx.Rngs(0))
+    group = next(g for (_, _, n), g in zip(model.groups_spec, model.groups) if n > 1)
+    w = group.blocks[0].mixer.q.kernel[...]
+    assert w.shape[0] >= 2 and not np.allclose(w[0], w[1])
+
+
+def test_remat_gives_same_loss_and_grads():
+    cfg = get_config("tiny_kda")
+    tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, cfg.vocab_size)
+
+    def loss(m):
+        return jnp.mean(m(tokens) ** 2)
+
+    g1 = nnx.jit(nnx.grad(loss))(Decoder(cfg, rngs=nnx.Rngs(0)))
+    g2 = nnx.jit(nnx.grad(loss))(Decoder(cfg.replace(remat=True), rngs=nnx.Rngs(0)))
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        assert rel(a, b) <= 1e-5
+
+
+def test_moe_stats_are_returned_per_moe_layer():
+    cfg = get_config("tiny_kimi_linear")
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(4), (2, 8), 0, cfg.vocab_size)
+    _, aux = nnx.jit(lambda m, t: m.forward(t))(model, tokens)
+    stats = [s for group in aux["moe"] for s in group if s is not None]
+    assert len(stats) == sum(cfg.is_moe(i) for i in range(cfg.num_layers))
+    for s in stats:
+        np.testing.assert_allclose(jnp.sum(s.load), 1.0, rtol=1e-6)
+        assert int(jnp.sum(s.expert_counts)) == 2 * 8 * cfg.top_k
+
+
+def test_attnres_zero_queries_read_the_mean_of_sources():
+    r = np.random.default_rng(0)
+    emb = jnp.asarray(r.normal(size=(2, 3, 8)), jnp.float32)
+    st = AR.init(emb, 4)
+    outs = [jnp.asarray(r.normal(size=(2, 3, 8)), jnp.float32) for _ in range(3)]
+    st = AR.write(st, outs[0])
+    st = AR.seal(st)  # block 1 = outs[0]
+    st = AR.write(st, outs[1])
+    st = AR.write(st, outs[2])  # partial = outs[1] + outs[2]
+    got = AR.read(st, jnp.zeros(8))
+    want = (emb + outs[0] + outs[1] + outs[2]) / 3.0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # A query aligned with one source pulls the read towards it.
+    q = 50.0 * outs[0].mean(axis=(0, 1)) / jnp.linalg.norm(outs[0].mean(axis=(0, 1)))
+    assert float(jnp.sum(AR.read(st, q) * outs[0])) > float(jnp.sum(got * outs[0]))
+
+
+def test_attnres_first_read_is_the_embedding():
+    emb = jnp.ones((1, 2, 4)) * 3.0
+    np.testing.assert_allclose(AR.read(AR.init(emb, 3), jnp.ones(4)), emb)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("pattern", "KKX"), ("pattern", ""), ("top_k", 9), ("num_heads", 5), ("attnres_block", 99),
+    ("first_dense_layers", 50), ("num_kv_heads", 3), ("kda_gate", "tanh"), ("moe_dispatch", "dense"),
+    ("chunk_size", 0), ("scan_period", 0), ("kv_lora_rank", 0),
+])
+def test_inconsistent_configs_name_the_field(field, value):
+    base = get_config("tiny_kimi_linear") if field != "num_kv_heads" else get_config("tiny_gpt2")
+    changes = {field: value}
+    if field == "num_heads":
+        changes["head_dim"] = None  # head_dim defaults to d_model // num_heads: 64 % 5 != 0
+    with pytest.raises(ValueError, match=field):
+        base.replace(**changes)
+
+
+def test_unknown_config_name_and_field():
+    with pytest.raises(ValueError, match="valid names"):
+        get_config("gpt5")
+    with pytest.raises(ValueError, match="unknown config field"):
+        get_config("tiny_gpt2", n_layers=3)
+
+
+def test_bad_tokens():
+    model = Decoder(get_config("tiny_gpt2"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="`tokens`"):
+        model(jnp.zeros((2, 3, 4), jnp.int32))
+    with pytest.raises(ValueError, match="`tokens`"):
+        model(jnp.zeros((2, 3), jnp.float32))

@@ -1,0 +1,53 @@
+"""The accountant reproduces the published numbers from abstract shapes."""
+
+import pytest
+
+from lineage_jax import accounting as A
+from lineage_jax.models import get_config
+
+
+def test_gpt2_small_exact():
+    assert A.param_counts("gpt2_small")["total"] == 124_475_904
+    assert A.cache_bytes_per_token("gpt2_small", dtype_bytes=2) == 36_864
+    assert A.state_bytes("gpt2_small") == 0
+
+
+def test_kimi_linear_48b_a3b():
+    c = A.param_counts("kimi_linear_48b_a3b")
+    assert abs(c["total"] / 1e9 - 49.1) < 0.1
+    assert abs(c["active"] / 1e9 - 3.1) < 0.05
+
+
+def test_kimi_k3():
+    c = A.param_counts("kimi_k3")
+    assert abs(c["total"] / 1e12 - 2.78) < 0.005
+    assert abs(c["active"] / 1e9 - 104.2) < 0.5
+    assert A.cache_bytes_per_token("kimi_k3", dtype_bytes=2) == 24 * (512 + 64) * 2  # ≈ 27.6 KB
+    assert abs(A.cache_bytes_per_token("kimi_k3") / 1e3 - 27.6) < 0.1
+    assert A.state_bytes("kimi_k3", dtype_bytes=4) == 69 * 96 * 128 * 128 * 4  # ≈ 434 MB
+    comp = A.component_counts("kimi_k3")
+    assert comp["routed_experts"] / c["total"] > 0.97  # experts ≈ 98% of the parameters
+
+
+def test_counts_match_a_real_model():
+    """The abstract count equals the parameters of an actually built tiny model."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from lineage_jax.models import Decoder
+
+    for name in ("tiny_k3", "tiny_gpt2"):
+        cfg = get_config(name)
+        model = Decoder(cfg, rngs=nnx.Rngs(0))
+        real = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        assert A.param_counts(cfg)["total"] == real
+
+
+def test_flops_per_token_grows_with_context_only_for_attention():
+    kda, gpt = get_config("tiny_kda"), get_config("tiny_gpt2")
+    assert A.flops_per_token(kda, 4096) == A.flops_per_token(kda, 8192)  # fixed state: flat in context
+    assert A.flops_per_token(gpt, 8192) > A.flops_per_token(gpt, 4096)
+    assert A.flops_per_token(gpt, 1) >= 2 * A.param_counts(gpt)["active"]
+    with pytest.raises(ValueError, match="seq_len"):
+        A.flops_per_token(gpt, 0)
