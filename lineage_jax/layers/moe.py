@@ -295,11 +295,16 @@ class MoE(nnx.Module):
     # ------------------------------------------------------------------------ bias update
     def update_bias(self, stats: RouterStats, *, rule: str = "sign", rate: float) -> None:
         """Apply one bias update in place: ``rule="sign"`` (:func:`sign_bias_update` on
-        ``stats.expert_counts``) or ``"quantile"`` (:func:`quantile_bias_update` on ``stats.scores``)."""
+        ``stats.expert_counts``) or ``"quantile"`` (:func:`quantile_bias_update` on ``stats.scores``).
+
+        Works on a stacked module too (a scanned group: bias ``[n, E]``, stats stacked along axis 0)."""
         if rule == "sign":
-            new = sign_bias_update(self.router_bias[...], stats.expert_counts, rate)
+            fn = lambda b, s: sign_bias_update(b, s.expert_counts, rate)
         elif rule == "quantile":
-            new = quantile_bias_update(self.router_bias[...], stats.scores, self.top_k, rate)
+            fn = lambda b, s: quantile_bias_update(b, s.scores, self.top_k, rate)
         else:
             raise ValueError(f"MoE.update_bias: `rule` must be one of {BIAS_RULES}, got {rule!r}")
-        self.router_bias[...] = new
+        bias = self.router_bias[...]
+        for _ in range(bias.ndim - 1):
+            fn = jax.vmap(fn)
+        self.router_bias[...] = fn(bias, stats)

@@ -332,3 +332,9 @@ class Decoder(nnx.Module):
                 if block.is_moe:
                     out.append((g, j, block.ffn))
         return out
+
+    def update_router_biases(self, aux: dict[str, Any], *, rule: str = "sign", rate: float = 1e-3) -> None:
+        """Update every MoE layer's score-correction bias from ``forward``'s ``aux`` (outside the optimizer)."""
+        for g, j, moe in self.moe_layers():
+            moe.update_bias(aux["moe"][g][j], rule=rule, rate=rate)
+

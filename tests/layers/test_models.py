@@ -140,3 +140,39 @@ def test_bad_tokens():
         model(jnp.zeros((2, 3, 4), jnp.int32))
     with pytest.raises(ValueError, match="`tokens`"):
         model(jnp.zeros((2, 3), jnp.float32))
+
+
+@pytest.mark.parametrize("rule", ["sign", "quantile"])
+def test_router_bias_updates_reach_every_moe_layer(rule):
+    cfg = get_config("tiny_k3")
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, cfg.vocab_size)
+    _, aux = nnx.jit(lambda m, t: m.forward(t))(model, tokens)
+    before = [np.asarray(moe.router_bias[...]).copy() for _, _, moe in model.moe_layers()]
+    model.update_router_biases(aux, rule=rule, rate=0.1)
+    after = [np.asarray(moe.router_bias[...]) for _, _, moe in model.moe_layers()]
+    assert len(before) >= 3 and any(b.ndim == 2 for b in before)  # a scanned (stacked) group is included
+    for b, a in zip(before, after):
+        assert a.shape == b.shape and not np.allclose(a, b)
+    if rule == "sign":  # the most-loaded expert of the first MoE layer went down
+        g, j, _ = model.moe_layers()[0]
+        counts = np.asarray(aux["moe"][g][j].expert_counts)
+        assert counts.ndim == 1  # layer 1 is unscanned
+        e = int(np.argmax(counts))
+        assert after[0][e] < before[0][e]
+
+
+def test_93_layer_config_traces_one_macrocycle():
+    """K3's layout (23 × KKKM + M) at toy width: the scan keeps compile time near a 9-layer model's."""
+    import time
+
+    cfg = get_config("tiny_k3").replace(pattern="KKKM" * 23 + "M", attnres_block=12, d_model=32, head_dim=8,
+                                        moe_hidden=16, moe_latent_dim=16, shared_hidden=16, ffn_hidden=32)
+    groups = layer_groups(cfg)
+    assert max(n for _, _, n in groups) == 22 and len(groups) <= 6
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    t0 = time.perf_counter()
+    logits = call(model, tokens)
+    assert np.all(np.isfinite(logits)) and logits.shape == (1, 8, cfg.vocab_size)
+    assert time.perf_counter() - t0 < 120
