@@ -1,0 +1,152 @@
+"""Sample from a trained model: ``python -m lineage_jax.generate --workdir DIR --prompt TEXT``.
+
+Prefill runs the prompt through every layer once (filling KV caches, MLA latent
+caches and recurrent states); decode then feeds one token at a time through each
+layer's cache. Sampling: temperature, top-k, top-p (nucleus). Output streams as it
+is generated; the tokens/s of prefill and decode are reported at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lineage_jax.models import Decoder, ModelConfig
+from lineage_jax.train.checkpoint import Checkpointer
+from lineage_jax.train.config import TrainConfig
+from lineage_jax.train.step import init_state
+
+
+def load(workdir: str) -> tuple[Decoder, TrainConfig]:
+    """The latest checkpoint in ``workdir`` as a ready ``Decoder``."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise ValueError(f"--workdir {workdir!r} holds no run (no config.json); train one with python -m lineage_jax.train")
+    with open(path) as f:
+        record = json.load(f)
+    train_cfg, model_cfg = TrainConfig(**record["train"]), ModelConfig(**record["model"])
+    graphdef, abstract = _abstract_state(model_cfg, train_cfg)
+    state, _ = Checkpointer(os.path.join(workdir, "checkpoints")).restore(abstract)
+    return nnx.merge(graphdef, state.params, state.rest), train_cfg
+
+
+def _abstract_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
+    """``(graphdef, abstract TrainState)`` without allocating parameters."""
+    out = {}
+
+    def build():
+        graphdef, state, tx = init_state(model_cfg, train_cfg)
+        out["graphdef"] = graphdef
+        return state
+
+    abstract = jax.eval_shape(build)
+    return out["graphdef"], abstract
+
+
+def sample_token(logits: jax.Array, key: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0) -> jax.Array:
+    """``logits [B, V]`` -> token ids ``[B]``. ``temperature = 0`` is greedy."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        cum = jnp.cumsum(probs, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        cutoff_idx = jnp.sum(cum - probs < top_p, axis=-1, keepdims=True) - 1
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+def generate(model: Decoder, prompt: list[int], *, max_new_tokens: int = 100, temperature: float = 0.8,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: Optional[int] = None,
+             on_token: Optional[Callable[[list[int]], None]] = None) -> tuple[list[int], dict]:
+    """Prefill ``prompt`` then sample up to ``max_new_tokens`` tokens (batch of one)."""
+    if not prompt:
+        raise ValueError("generate: `prompt` must contain at least one token")
+    if max_new_tokens < 0 or not 0 < top_p <= 1 or temperature < 0 or top_k < 0:
+        raise ValueError("generate: need max_new_tokens >= 0, temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+    cfg = model.cfg
+    max_len = len(prompt) + max_new_tokens
+    if cfg.positions == "learned" and max_len > cfg.max_seq_len:
+        raise ValueError(f"generate: prompt + max_new_tokens = {max_len} exceeds max_seq_len={cfg.max_seq_len}")
+    prefill = nnx.jit(lambda m, t, c: m.prefill(t, c))
+    decode = nnx.jit(lambda m, t, c: m.decode(t, c))
+    sample = jax.jit(sample_token, static_argnames=("temperature", "top_k", "top_p"))
+    key = jax.random.key(seed)
+    cache = model.init_cache(1, max_len)
+    t0 = time.perf_counter()
+    logits, cache = prefill(model, jnp.asarray([prompt], jnp.int32), cache)
+    logits = logits[:, -1]
+    jax.block_until_ready(logits)
+    t1 = time.perf_counter()
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        tok = sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
+        out.append(int(tok[0]))
+        if on_token is not None:
+            on_token(out)
+        if eos_id is not None and out[-1] == eos_id:
+            break
+        logits, cache = decode(model, tok.astype(jnp.int32), cache)
+    t2 = time.perf_counter()
+    stats = {"prompt_tokens": len(prompt), "new_tokens": len(out), "prefill_s": t1 - t0,
+             "prefill_tokens_per_s": len(prompt) / max(t1 - t0, 1e-9), "decode_s": t2 - t1,
+             "decode_tokens_per_s": len(out) / max(t2 - t1, 1e-9)}
+    return out, stats
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lineage_jax.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from lineage_jax.data.tokenizers import get_tokenizer
+
+    try:
+        model, train_cfg = load(args.workdir)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
+    tok = get_tokenizer(train_cfg.tokenizer)
+    prompt = tok.encode(args.prompt)
+    printed = [0]
+    sys.stdout.write(args.prompt)
+
+    def stream(tokens):
+        text = tok.decode(tokens)
+        sys.stdout.write(text[printed[0]:])
+        sys.stdout.flush()
+        printed[0] = len(text)
+
+    try:
+        _, stats = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id, on_token=stream)
+    except ValueError as e:
+        p.error(str(e))
+    sys.stdout.write("\n")
+    print(f"[prefill {stats['prompt_tokens']} tok at {stats['prefill_tokens_per_s']:,.0f} tok/s (incl. compile); "
+          f"decode {stats['new_tokens']} tok at {stats['decode_tokens_per_s']:,.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

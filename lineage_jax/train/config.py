@@ -1,0 +1,108 @@
+"""Training configuration and the ``--set key=value`` override parser."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Optional
+
+from lineage_jax.models.config import ModelConfig, get_config
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    config: str = "tiny_gpt2"  # named model config
+    steps: int = 100
+    workdir: str = "runs/default"
+    batch_size: int = 8
+    seq_len: int = 128
+    # Optimizer.
+    optimizer: str = "adamw"  # "adamw" | "muon" (Muon on 2-D+ weights, per head for [.., H, d, ..] kernels; AdamW elsewhere)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    # MoE router-bias balancing (outside the optimizer).
+    moe_bias_rule: str = "sign"  # "sign" | "quantile" | "none"
+    moe_bias_rate: float = 1e-3
+    # Data.
+    data: str = "stdlib"  # "stdlib" | a directory of text files | a synthetic task name
+    tokenizer: str = "byte"  # "byte" | "gpt2"
+    seed: int = 0
+    # Loop.
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 4
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    mesh: str = ""  # e.g. "data=2,expert=4" (see lineage_jax.parallel)
+    progress: bool = True
+
+    def __post_init__(self):
+        for f in ("steps", "batch_size", "seq_len", "log_every", "save_every", "eval_batches", "keep_checkpoints"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"TrainConfig.{f}: must be positive, got {getattr(self, f)}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"TrainConfig.optimizer: must be 'adamw' or 'muon', got {self.optimizer!r}")
+        if self.moe_bias_rule not in ("sign", "quantile", "none"):
+            raise ValueError(f"TrainConfig.moe_bias_rule: must be 'sign', 'quantile' or 'none', got {self.moe_bias_rule!r}")
+        if self.tokenizer not in ("byte", "gpt2"):
+            raise ValueError(f"TrainConfig.tokenizer: must be 'byte' or 'gpt2', got {self.tokenizer!r}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
+            raise ValueError("TrainConfig.lr / min_lr_ratio / warmup_steps: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0")
+
+
+def _convert(name: str, raw: str, annotation: Any) -> Any:
+    """Parse ``raw`` as the field's declared type."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"Optional": Optional, "typing": typing})  # dataclass string annotations
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if raw.lower() in ("none", "null"):
+            return None
+        annotation = args[0]
+    try:
+        if annotation is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if annotation is int:
+            return int(raw)
+        if annotation is float:
+            return float(raw)
+        return str(raw)
+    except ValueError:
+        raise ValueError(f"--set {name}={raw}: expected a value of type {getattr(annotation, '__name__', annotation)}") from None
+
+
+def apply_overrides(train: TrainConfig, model: ModelConfig, pairs: list[str]) -> tuple[TrainConfig, ModelConfig]:
+    """``["lr=1e-3", "d_model=128", ...]`` -> updated configs. Train fields win; then model fields."""
+    train_fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    model_fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    t_changes, m_changes = {}, {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--set expects key=value, got {pair!r}")
+        key, raw = pair.split("=", 1)
+        key = key.strip()
+        if key.startswith("model."):
+            key = key[len("model."):]
+            table = model_fields if key in model_fields else {}
+        else:
+            table = train_fields if key in train_fields else model_fields
+        if key not in table:
+            valid = sorted(set(train_fields) | {f"model.{k}" for k in model_fields} | set(model_fields))
+            raise ValueError(f"--set: unknown key {key!r}; valid keys: {', '.join(valid)}")
+        target = t_changes if table is train_fields else m_changes
+        target[key] = _convert(key, raw.strip(), table[key].type)
+    return dataclasses.replace(train, **t_changes), (model.replace(**m_changes) if m_changes else model)
+
+
+def load_model_config(train: TrainConfig) -> ModelConfig:
+    return get_config(train.config)

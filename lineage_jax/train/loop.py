@@ -1,0 +1,194 @@
+"""The training loop: resumable, preemption-safe, logged.
+
+Rerunning the same command in the same workdir resumes from the latest
+checkpoint — parameters, optimizer, step, RNG *and* the data iterator — so the
+losses after a restart equal those of an uninterrupted run. SIGTERM (preemption)
+finishes the current step, saves, and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import jax
+import numpy as np
+
+from lineage_jax import accounting
+from lineage_jax.models import ModelConfig
+from lineage_jax.train.checkpoint import Checkpointer
+from lineage_jax.train.config import TrainConfig
+from lineage_jax.train.step import init_state, make_eval_step, make_train_step
+
+# Dense bf16 peak FLOP/s by device kind, for MFU (None: unknown -> MFU not reported).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12, "TPU v5e": 197e12, "TPU v6e": 918e12,
+              "TPU v4": 275e12}
+
+
+def peak_flops() -> Optional[float]:
+    kind = jax.devices()[0].device_kind
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops * jax.device_count()
+    return None
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag the loop checks between steps."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        def handler(signum, frame):
+            self.requested = True
+        try:
+            self._previous = signal.signal(signal.SIGTERM, handler)
+        except ValueError:  # not the main thread: no handler, no preemption support
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _write_configs(workdir: str, train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+    """Record the run's configs; refuse to resume a workdir with different ones."""
+    record = {"train": dataclasses.asdict(train_cfg), "model": dataclasses.asdict(model_cfg)}
+    path = os.path.join(workdir, "config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        ignore = {"steps", "progress", "eval_every", "log_every", "save_every"}  # may change between runs
+        diff = sorted(k for k in record["train"] if k not in ignore and old["train"].get(k) != record["train"][k])
+        diff += sorted(f"model.{k}" for k in record["model"] if old["model"].get(k) != record["model"][k])
+        if diff:
+            raise ValueError(f"workdir {workdir} holds a run with different settings ({', '.join(diff)}); "
+                             "use a new --workdir or the same settings to resume")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+
+
+def _trim_metrics(path: str, last_step: int) -> None:
+    """Drop metric lines past the restored step (they will be recomputed identically)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= last_step]
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+
+def evaluate(eval_step, state, batches: Iterator[dict], n: int) -> dict[str, float]:
+    losses, accs = [], []
+    for _ in range(n):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            break
+        m = eval_step(state, batch)
+        losses.append(float(m["loss"]))
+        accs.append(float(m["accuracy"]))
+    if not losses:
+        return {}
+    loss = float(np.mean(losses))
+    return {"val_loss": loss, "val_perplexity": float(math.exp(min(loss, 50.0))), "val_accuracy": float(np.mean(accs))}
+
+
+def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], Any], *,
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train ``model_cfg`` for ``train_cfg.steps`` steps in ``train_cfg.workdir``.
+
+    Args:
+      data: ``data(split)`` for split "train" / "val" returns an iterator of batch dicts
+        (``tokens``, ``targets``, ``segment_ids``, ``mask``); the train iterator must
+        have ``get_state() -> JSON-able`` and ``set_state(state)``.
+    Returns:
+      a summary with the final step, last metrics and evaluation.
+    """
+    from tqdm.auto import tqdm
+
+    workdir = os.path.abspath(train_cfg.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    _write_configs(workdir, train_cfg, model_cfg)
+    graphdef, state, tx = init_state(model_cfg, train_cfg)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=train_cfg.keep_checkpoints)
+    train_iter = data("train")
+    start = 0
+    if ckpt.latest_step() is not None:
+        state, data_state = ckpt.restore(state)
+        train_iter.set_state(data_state)
+        start = int(state.step)
+        log(f"resumed {workdir} at step {start}")
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    _trim_metrics(metrics_path, start)
+
+    train_step = jax.jit(make_train_step(graphdef, tx, train_cfg), donate_argnums=(0,))
+    eval_step = jax.jit(make_eval_step(graphdef))
+    tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
+    flops_per_step = 3 * accounting.flops_per_token(model_cfg, train_cfg.seq_len) * tokens_per_step
+    peak = peak_flops()
+
+    try:
+        from tensorboardX import SummaryWriter
+        writer = SummaryWriter(os.path.join(workdir, "tb"))
+    except ImportError:  # pragma: no cover - tensorboardX is a dependency
+        writer = None
+
+    last: dict[str, float] = {}
+    evaluation: dict[str, float] = {}
+    bar = tqdm(total=train_cfg.steps, initial=start, disable=not train_cfg.progress, unit="step", dynamic_ncols=True)
+    t_last, step_last = time.perf_counter(), start
+    stopped = False
+    with _Preemption() as preempt, open(metrics_path, "a") as mfile:
+        for step in range(start, train_cfg.steps):
+            batch = next(train_iter)
+            state, metrics = train_step(state, batch)
+            done = step + 1
+            if done % train_cfg.log_every == 0 or done == train_cfg.steps or preempt.requested:
+                last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                rate = (done - step_last) * tokens_per_step / max(now - t_last, 1e-9)
+                t_last, step_last = now, done
+                last["tokens_per_s"] = rate
+                if peak:
+                    last["mfu"] = rate / tokens_per_step * flops_per_step / peak
+                record = {"step": done, **last}
+                mfile.write(json.dumps(record) + "\n")
+                mfile.flush()
+                if writer is not None:
+                    for k, v in last.items():
+                        writer.add_scalar(f"train/{k}", v, done)
+                post = {"loss": f"{last['loss']:.4f}", "tok/s": f"{rate:,.0f}"}
+                if peak:
+                    post["mfu"] = f"{100 * last['mfu']:.1f}%"
+                bar.set_postfix(post)
+            bar.update(1)
+            if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.steps:
+                evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches)
+                mfile.write(json.dumps({"step": done, **evaluation}) + "\n")
+            if done % train_cfg.save_every == 0 or done == train_cfg.steps or preempt.requested:
+                ckpt.save(done, state, train_iter.get_state(), force=True)
+            if preempt.requested:
+                log(f"SIGTERM: saved step {done} in {workdir}; rerun the same command to resume")
+                stopped = True
+                break
+        if not stopped and int(state.step) == train_cfg.steps:
+            evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches)
+            if evaluation:
+                mfile.write(json.dumps({"step": int(state.step), **evaluation}) + "\n")
+                if writer is not None:
+                    for k, v in evaluation.items():
+                        writer.add_scalar(f"eval/{k}", v, int(state.step))
+    bar.close()
+    ckpt.close()
+    if writer is not None:
+        writer.close()
+    return {"step": int(state.step), "metrics": last, "eval": evaluation, "preempted": stopped, "workdir": workdir}

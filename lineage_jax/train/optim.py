@@ -1,0 +1,61 @@
+"""Optimizers: AdamW with warmup + cosine, clipping and a weight-decay mask; optional Muon."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from lineage_jax.train.config import TrainConfig
+
+
+def schedule(cfg: TrainConfig) -> optax.Schedule:
+    warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else cfg.lr, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def decay_mask(params):
+    """Decay matrices only: no weight decay on norms, biases, gates' scalars or embedding tables."""
+    def keep(path, leaf):
+        names = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+        if any(n in ("embed", "pos") for n in names[:1]):
+            return False
+        return getattr(leaf, "ndim", 0) >= 2 and not any(n in ("scale", "bias", "A_log", "dt_bias", "res_query", "final_query") for n in names)
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+BATCH_AXES = ("layers", "heads", "kv_heads", "experts")
+
+
+def muon_dims(params):
+    """Per-head Muon: orthogonalize each head's (and expert's, layer's) ``[in, out]`` matrix.
+
+    Reads each parameter's ``logical_axes`` metadata: axes named in ``BATCH_AXES`` are
+    batch dimensions; of the rest, the first is the input (reduction) axis and the
+    others the output. Tables (embedding, positions, LM head) and anything with fewer
+    than two matrix axes stay on AdamW (``None``).
+    """
+    def dims(path, var):
+        names = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+        ax = var.get_metadata().get("logical_axes") or ()
+        matrix = [i for i, a in enumerate(ax) if a not in BATCH_AXES]
+        if names[0] in ("embed", "pos", "head") or len(matrix) < 2:
+            return var.replace(value=None)
+        return var.replace(value=optax.contrib.MuonDimensionNumbers(reduction_axis=(matrix[0],),
+                                                                     output_axis=tuple(matrix[1:])))
+    return jax.tree_util.tree_map_with_path(dims, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
+    """The chain: global-norm clipping, then AdamW (or per-head Muon with AdamW for tables and vectors)."""
+    lr = schedule(cfg)
+    if cfg.optimizer == "adamw":
+        inner = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask(params))
+    else:
+        inner = optax.contrib.muon(lr, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask(params),
+                                   adam_b1=cfg.b1, adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
+                                   muon_weight_dimension_numbers=muon_dims(params))
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), inner)

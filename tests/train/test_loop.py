@@ -1,0 +1,133 @@
+"""The training loop: exact resume, SIGTERM, metrics, checkpoint round trip, overrides."""
+
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from lineage_jax.models import get_config
+from lineage_jax.train import TrainConfig, apply_overrides, train
+from lineage_jax.train.checkpoint import Checkpointer
+from lineage_jax.train.step import init_state
+from tests.train.fake_data import factory
+
+
+def losses(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+class _Wrap:
+    """Wraps a data iterator; optionally sends SIGTERM to this process when batch ``kill_at`` is drawn."""
+
+    def __init__(self, it, kill_at=None):
+        self.it, self.kill_at, self.drawn = it, kill_at, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.drawn += 1
+        if self.kill_at is not None and self.drawn == self.kill_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return next(self.it)
+
+    def get_state(self):
+        return self.it.get_state()
+
+    def set_state(self, s):
+        self.it.set_state(s)
+
+
+def run(workdir, steps, config="tiny_kimi_linear", kill_at=None, **kw):
+    tc = TrainConfig(config=config, steps=steps, workdir=str(workdir), batch_size=2, seq_len=16, log_every=1,
+                     save_every=100, progress=False, eval_batches=1, **kw)
+    mc = get_config(config)
+    base = factory(tc, mc)
+    data = lambda split: _Wrap(base(split), kill_at if split == "train" else None)
+    return train(tc, mc, data, log=lambda s: None)
+
+
+def test_exact_resume(tmp_path):
+    """The same 6-step command preempted after step 3 and rerun: steps 4-6 equal an uninterrupted run."""
+    full = run(tmp_path / "full", 6)
+    first = run(tmp_path / "resumed", 6, kill_at=3)
+    assert first["preempted"] and first["step"] == 3
+    assert Checkpointer(str(tmp_path / "resumed" / "checkpoints")).latest_step() == 3
+    again = run(tmp_path / "resumed", 6)
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "resumed")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    for s in (1, 2, 3, 4, 5, 6):
+        assert a[s] == b[s], (s, a[s], b[s])
+    assert full["step"] == again["step"] == 6 and not again["preempted"]
+    assert np.isfinite(full["eval"]["val_loss"])
+
+
+def test_loss_decreases_and_metrics_logged(tmp_path):
+    out = run(tmp_path / "w", 12, config="tiny_gpt2", lr=1e-2)
+    l = losses(tmp_path / "w")
+    assert l[12] < l[1]
+    rec = json.loads(open(tmp_path / "w" / "metrics.jsonl").readline())
+    assert {"step", "loss", "grad_norm", "lr", "tokens_per_s"} <= set(rec)
+    assert os.path.isdir(tmp_path / "w" / "tb") and os.listdir(tmp_path / "w" / "tb")
+
+
+def test_checkpoint_round_trip(tmp_path):
+    tc = TrainConfig(config="tiny_k3", steps=1)
+    mc = get_config("tiny_k3")
+    _, state, _ = init_state(mc, tc)
+    ck = Checkpointer(str(tmp_path / "c"))
+    ck.save(7, state, {"pos": 11}, force=True)
+    ck.wait()
+    restored, data_state = ck.restore(state)
+    assert data_state == {"pos": 11}
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(a, b)
+    ck.close()
+
+
+def test_resume_refuses_different_settings(tmp_path):
+    run(tmp_path / "w", 1, config="tiny_gpt2")
+    with pytest.raises(ValueError, match="different settings"):
+        run(tmp_path / "w", 2, config="tiny_gpt2", lr=0.5)
+
+
+def test_overrides_parse_types_and_reject_unknown_keys():
+    tc, mc = apply_overrides(TrainConfig(), get_config("tiny_gpt2"),
+                             ["lr=0.01", "steps=7", "d_model=32", "model.remat=true", "moe_bias_rule=none"])
+    assert tc.lr == 0.01 and tc.steps == 7 and mc.d_model == 32 and mc.remat is True and tc.moe_bias_rule == "none"
+    with pytest.raises(ValueError, match="valid keys"):
+        apply_overrides(TrainConfig(), get_config("tiny_gpt2"), ["learning_rate=1"])
+    with pytest.raises(ValueError, match="type int"):
+        apply_overrides(TrainConfig(), get_config("tiny_gpt2"), ["steps=ten"])
+    with pytest.raises(ValueError, match="key=value"):
+        apply_overrides(TrainConfig(), get_config("tiny_gpt2"), ["steps"])
+
+
+def test_muon_option_trains(tmp_path):
+    out = run(tmp_path / "m", 3, config="tiny_kda", optimizer="muon")
+    assert np.isfinite(out["metrics"]["loss"])
+
+
+def test_muon_dims_are_per_head_and_skip_tables():
+    import optax
+    from flax import nnx
+
+    from lineage_jax.models import Decoder
+    from lineage_jax.train.optim import muon_dims
+
+    model = Decoder(get_config("tiny_kimi_linear"), rngs=nnx.Rngs(0))
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    dims = muon_dims(params)
+    blk = dims["groups"][0]["blocks"][0]
+    q = blk["mixer"]["q"]["kernel"].value  # [D, H, hd]: per head, input D -> output hd
+    assert q == optax.contrib.MuonDimensionNumbers(reduction_axis=(0,), output_axis=(2,))
+    o = blk["mixer"]["o"].value  # [H, V, D]
+    assert o == optax.contrib.MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))
+    assert dims["embed"].value is None and dims["head"].value is None
+    assert blk["norm1"]["scale"].value is None
+    moe = dims["groups"][1]["blocks"][0]["ffn"]["w_gate"].value  # [E, D, hidden]: per expert
+    assert moe == optax.contrib.MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))
