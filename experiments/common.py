@@ -1,0 +1,246 @@
+"""Shared plumbing for the experiment scripts.
+
+Every script ``experiments/<name>.py`` follows one convention::
+
+    python -m experiments.<name> [--quick] [--out results]
+
+prints a table, writes ``<out>/<name>/<name>.json`` and ``<out>/<name>/<name>.png``
+and exposes ``run(quick=False, out="results") -> dict`` returning the same
+JSON-able record. The helpers here build the provenance header (date, git commit,
+jax version, device), the argument parser, the progress bar, the output files
+and the plain-text table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: scripts run on TPU VMs, GPU boxes and CI
+
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+import numpy as np  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------
+# Provenance.
+# ----------------------------------------------------------------------------
+def git_commit(repo: Path | str = REPO_ROOT) -> Optional[str]:
+    """The checked-out commit, read from ``.git`` files (no ``git`` process); None if unknown."""
+    git_dir = Path(repo) / ".git"
+    try:
+        if git_dir.is_file():  # worktree / submodule: "gitdir: <path>"
+            target = git_dir.read_text().strip()
+            if not target.startswith("gitdir:"):
+                return None
+            git_dir = (Path(repo) / target.split(":", 1)[1].strip()).resolve()
+        head = (git_dir / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head or None  # detached HEAD
+        ref = head.split(":", 1)[1].strip()
+        for base in (git_dir, _common_dir(git_dir)):
+            ref_file = base / ref
+            if ref_file.is_file():
+                return ref_file.read_text().strip() or None
+            packed = base / "packed-refs"
+            if packed.is_file():
+                for line in packed.read_text().splitlines():
+                    parts = line.strip().split(" ")
+                    if len(parts) == 2 and parts[1] == ref:
+                        return parts[0]
+        return None  # a branch with no commits yet
+    except OSError:
+        return None
+
+
+def _common_dir(git_dir: Path) -> Path:
+    common = git_dir / "commondir"
+    if common.is_file():
+        return (git_dir / common.read_text().strip()).resolve()
+    return git_dir
+
+
+def device_info() -> dict:
+    """The default JAX backend: platform, device kind and count."""
+    import jax
+
+    devices = jax.devices()
+    return {
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "count": len(devices),
+        "description": f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform})",
+    }
+
+
+def provenance(name: str, quick: bool) -> dict:
+    """The header every result JSON starts with."""
+    import jax
+
+    return {
+        "experiment": name,
+        "quick": bool(quick),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "jax_version": jax.__version__,
+        "python_version": platform.python_version(),
+        "device": device_info(),
+    }
+
+
+# ----------------------------------------------------------------------------
+# Output files.
+# ----------------------------------------------------------------------------
+def results_dir(out: str | os.PathLike, name: str) -> Path:
+    """``<out>/<name>/``, created if needed."""
+    path = Path(out) / name
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output path {str(path)!r} exists and is not a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Numpy / JAX scalars and arrays -> plain Python; non-finite floats -> None."""
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        value = float(obj)
+        return value if math.isfinite(value) else None
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "__array__"):
+        return to_jsonable(np.asarray(obj).tolist())
+    return obj
+
+
+def finish(record: dict, name: str, out: str | os.PathLike, fig) -> dict:
+    """Save ``fig`` as the PNG and ``record`` as the JSON; return the JSON-able record.
+
+    The record gains ``files = {"json": ..., "png": ...}`` (paths as given by ``out``).
+    """
+    folder = results_dir(out, name)
+    png, js = folder / f"{name}.png", folder / f"{name}.json"
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    record = to_jsonable(dict(record, files={"json": str(js), "png": str(png)}))
+    js.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+# ----------------------------------------------------------------------------
+# CLI, progress, tables.
+# ----------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def power_of_two(text: str) -> int:
+    """argparse type: a power of two >= 2."""
+    value = positive_int(text)
+    if value < 2 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"expected a power of two >= 2, got {value}")
+    return value
+
+
+def _out_dir(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--out must be a non-empty directory path")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"--out {text!r} exists and is not a directory")
+    return text
+
+
+def make_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The common CLI: ``--quick`` and ``--out``; scripts add their own options."""
+    parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=description)
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes / fewer points so the script finishes in about a minute on a CPU")
+    parser.add_argument("--out", default="results", type=_out_dir,
+                        help=f"results root; files go to <out>/{name}/ (default: results)")
+    return parser
+
+
+def progress(iterable: Optional[Iterable] = None, *, desc: str, total: Optional[int] = None, unit: str = "it"):
+    """A tqdm bar on stderr with the rate shown (stdout stays clean for tables/JSON)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: Optional[str] = None) -> str:
+    """A plain monospace table (first column left-aligned, the rest right-aligned)."""
+    cells = [[str(h) for h in headers]] + [[_cell(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    parts = [title] if title else []
+    parts += [line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
+    return "\n".join(parts)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, (float, np.floating)):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return "[" + ", ".join(_cell(v) for v in np.asarray(value).ravel().tolist()) + "]"
+    return str(value)
+
+
+def fmt_bytes(n: float) -> str:
+    """Decimal units (1 MB = 1e6 B), as the seeds and GPU spec sheets use."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_tokens(n: int) -> str:
+    """1024 -> '1K', 131072 -> '128K', 1048576 -> '1M' (binary prefixes for token counts)."""
+    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def main_for(name: str, parser: argparse.ArgumentParser, run: Callable[..., dict],
+             table: Callable[[dict], str], argv: Optional[Sequence[str]] = None, **extra: Any) -> dict:
+    """Parse ``argv``, call ``run``, print the table and where the files went."""
+    args = parser.parse_args(argv)
+    kwargs = {k: v for k, v in vars(args).items() if k not in ("quick", "out", "json")}
+    kwargs.update(extra)
+    record = run(quick=args.quick, out=args.out, **kwargs)
+    if getattr(args, "json", False):
+        print(json.dumps(record))
+    else:
+        print(table(record))
+        print(f"\nwrote {record['files']['json']} and {record['files']['png']}")
+    return record

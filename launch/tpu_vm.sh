@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Train on a Cloud TPU VM slice: create it, install this repository on every worker,
+# run the same command on all workers (JAX initialises multi-host itself), fetch
+# results from worker 0, delete the slice.
+#
+#   launch/tpu_vm.sh create|install|run|fetch|delete|all [-- TRAIN ARGS...]
+#
+# Settings (environment):
+#   TPU_NAME          slice name                       (default: lineage-$USER)
+#   ZONE              e.g. us-east5-a (v5p), us-west4-a (v5e), us-east1-d (v6e)   (required)
+#   ACCELERATOR_TYPE  e.g. v5p-32, v5litepod-16, v6e-8  (default: v5litepod-8)
+#   RUNTIME_VERSION   TPU VM image                     (default: v2-alpha-tpuv5-lite; v5p: v2-alpha-tpuv5, v6e: v2-alpha-tpuv6e)
+#   PROJECT           gcloud project                   (default: gcloud's configured project)
+#   SPOT              1 to request spot capacity       (default: 0)
+#   REMOTE_DIR        checkout path on the workers     (default: lineage_jax)
+#
+# Example (the README's): ZONE=us-east5-a ACCELERATOR_TYPE=v5p-32 RUNTIME_VERSION=v2-alpha-tpuv5 \
+#   launch/tpu_vm.sh all -- --config tiny_k3 --steps 1000 --workdir runs/k3 --mesh fsdp=4,expert=4
+set -euo pipefail
+
+TPU_NAME=${TPU_NAME:-lineage-${USER:-user}}
+ACCELERATOR_TYPE=${ACCELERATOR_TYPE:-v5litepod-8}
+RUNTIME_VERSION=${RUNTIME_VERSION:-v2-alpha-tpuv5-lite}
+REMOTE_DIR=${REMOTE_DIR:-lineage_jax}
+SPOT=${SPOT:-0}
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+die() { echo "tpu_vm.sh: $*" >&2; exit 2; }
+[[ -n "${ZONE:-}" ]] || die "set ZONE (e.g. ZONE=us-east5-a)"
+command -v gcloud >/dev/null || die "gcloud is not installed (https://cloud.google.com/sdk)"
+
+gcloud_tpu() {
+  local project_args=()
+  [[ -n "${PROJECT:-}" ]] && project_args=(--project "$PROJECT")
+  gcloud compute tpus tpu-vm "$@" --zone "$ZONE" "${project_args[@]}"
+}
+
+create() {
+  local extra=()
+  [[ "$SPOT" == "1" ]] && extra=(--spot)
+  gcloud_tpu create "$TPU_NAME" --accelerator-type "$ACCELERATOR_TYPE" --version "$RUNTIME_VERSION" "${extra[@]}"
+}
+
+install() {
+  local archive
+  archive=$(mktemp -d)/lineage_jax.tar.gz
+  git -C "$REPO_ROOT" archive --format=tar.gz -o "$archive" HEAD
+  gcloud_tpu scp "$archive" "$TPU_NAME:lineage_jax.tar.gz" --worker=all
+  gcloud_tpu ssh "$TPU_NAME" --worker=all --command \
+    "mkdir -p $REMOTE_DIR && tar -xzf lineage_jax.tar.gz -C $REMOTE_DIR && cd $REMOTE_DIR && python3 -m pip install -q -e '.[tpu]'"
+}
+
+run() {
+  (( $# > 0 )) || die "run needs training arguments after --, e.g. -- --config tiny_k3 --steps 100 --workdir runs/x"
+  local quoted
+  quoted=$(printf '%q ' "$@")
+  # Same command on every worker; jax.distributed.initialize() auto-detects the TPU slice.
+  gcloud_tpu ssh "$TPU_NAME" --worker=all --command "cd $REMOTE_DIR && python3 -m lineage_jax.train $quoted"
+}
+
+fetch() {
+  mkdir -p "$REPO_ROOT/runs_remote"
+  gcloud_tpu scp --recurse "$TPU_NAME:$REMOTE_DIR/runs" "$REPO_ROOT/runs_remote/" --worker=0
+  echo "fetched into $REPO_ROOT/runs_remote"
+}
+
+delete() {
+  gcloud_tpu delete "$TPU_NAME" --quiet
+}
+
+cmd=${1:-}
+[[ -n "$cmd" ]] || die "usage: tpu_vm.sh create|install|run|fetch|delete|all [-- TRAIN ARGS...]"
+shift
+[[ "${1:-}" == "--" ]] && shift
+case "$cmd" in
+  create) create ;;
+  install) install ;;
+  run) run "$@" ;;
+  fetch) fetch ;;
+  delete) delete ;;
+  all)
+    create
+    trap delete EXIT
+    install
+    run "$@"
+    fetch
+    ;;
+  *) die "unknown command '$cmd' (create|install|run|fetch|delete|all)" ;;
+esac

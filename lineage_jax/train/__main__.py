@@ -1,0 +1,61 @@
+"""``python -m lineage_jax.train --config NAME --steps N --workdir DIR [--set key=value ...]``.
+
+Rerunning the same command resumes exactly from the latest checkpoint in DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from lineage_jax.models import config_names, get_config
+from lineage_jax.train.config import TrainConfig, apply_overrides
+from lineage_jax.train.inputs import make_data
+from lineage_jax.train.loop import train
+
+
+def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
+    p = argparse.ArgumentParser(prog="python -m lineage_jax.train", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help=f"model config: {', '.join(config_names())}")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--data", default=None, help="'stdlib' (default), a directory of text files, or a task "
+                                                "(mqar, niah, overwrite, fade, mixed_half_lives)")
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,fsdp=1,tensor=1,expert=4 (axes left out are 1)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a TrainConfig or ModelConfig field (repeatable), e.g. --set lr=1e-3 --set d_model=128")
+    args = p.parse_args(argv)
+    if args.config not in config_names():
+        p.error(f"unknown --config {args.config!r}; valid names: {', '.join(config_names())}")
+    base = {"config": args.config, "steps": args.steps, "workdir": args.workdir}
+    if args.data is not None:
+        base["data"] = args.data
+    if args.mesh is not None:
+        base["mesh"] = args.mesh
+    try:
+        train_cfg = TrainConfig(**base)
+        train_cfg, model_cfg = apply_overrides(train_cfg, get_config(args.config), args.overrides)
+    except ValueError as e:
+        p.error(str(e))
+    return train_cfg, model_cfg
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    train_cfg, model_cfg = parse(argv)
+    try:
+        data = make_data(train_cfg, model_cfg)
+    except ValueError as e:
+        print(f"python -m lineage_jax.train: error: --data {train_cfg.data}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    out = train(train_cfg, model_cfg, data)
+    ev = out["eval"]
+    msg = f"step {out['step']}: loss {out['metrics'].get('loss', float('nan')):.4f}"
+    if ev:
+        msg += f", val loss {ev['val_loss']:.4f} (ppl {ev['val_perplexity']:.2f}, acc {ev['val_accuracy']:.3f})"
+    print(msg)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
