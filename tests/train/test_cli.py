@@ -53,7 +53,8 @@ def test_sampling_filters():
     (["--config", "tiny_kimi_linear", "--steps", "1", "--workdir", "w", "--set", "top_k=99"], "top_k"),
     (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--data", "mqar", "--set", "seq_len=8"], "seq_len"),
 ])
-def test_bad_cli_input_is_a_clear_error(argv, msg, capsys):
+def test_bad_cli_input_is_a_clear_error(argv, msg, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a wrongly accepted run must not write into the repository
     with pytest.raises(SystemExit) as e:
         train_main(argv)
     assert e.value.code == 2 and msg in capsys.readouterr().err
