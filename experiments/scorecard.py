@@ -1,0 +1,281 @@
+"""The seeds' eight-row scorecard, measured: who remembers, who forgets, what it costs.
+
+    python -m experiments.scorecard [--quick] [--out results]
+
+For each architecture of the lineage — GPT-2 softmax + KV cache, linear attention,
+DeltaNet, Gated DeltaNet, KDA, MLA, the Kimi Linear 3:1 hybrid and a K3-style hybrid
+(latent MoE + SiTU + AttnRes + bounded KDA gate) — at one width and depth:
+
+* **memory per layer** at 1K and 1M tokens of context (bytes, from
+  ``lineage_jax.accounting`` at a reference width of 16 heads × 128, bf16 caches,
+  fp32 states);
+* **accuracy on the four eviction probes** (``lineage_jax.data``: recall = MQAR,
+  overwrite, fade, mixed half-lives) after the *same* training budget: one model
+  per architecture trained on a mixture of the four probes, scored per probe on
+  held-out sequences (accuracy over answer positions);
+* **decode time per token** of that trained model after a prefilled context.
+
+Fairness: every architecture gets the same width, depth (4 layers), FFN, optimizer,
+steps, batch and data; fixed-state mixers all use the short causal conv (size 4),
+softmax uses learned positions (GPT-2) and the pure-MLA model RoPE (DeepSeek), the
+hybrids NoPE MLA (Kimi). ``--quick`` is sized for 2 CPU cores (< 10 min); the
+default for one GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments import common as C
+from lineage_jax import accounting
+from lineage_jax import data as D
+from lineage_jax.models import Decoder, ModelConfig
+from lineage_jax.train.config import TrainConfig
+from lineage_jax.train.step import init_state, make_train_step
+
+NAME = "scorecard"
+PROBES = ("mqar", "overwrite", "fade", "mixed_half_lives")
+PROBE_LABELS = {"mqar": "recall", "overwrite": "overwrite", "fade": "fade", "mixed_half_lives": "mixed half-lives"}
+
+# (label, pattern, extra config fields)
+ARCHITECTURES = [
+    ("GPT-2 (softmax + KV cache)", "SSSS", dict(positions="learned", norm="layernorm", ffn_kind="gelu", attn_bias=True)),
+    ("Linear attention", "LLLL", {}),
+    ("DeltaNet", "DDDD", {}),
+    ("Gated DeltaNet", "GGGG", {}),
+    ("KDA", "KKKK", {}),
+    ("MLA", "MMMM", dict(mla_rope=True)),
+    ("Kimi Linear 3:1 (KDA+MLA, MoE)", "KKKM", dict(first_dense_layers=1, num_experts=8, top_k=2, num_shared_experts=1)),
+    ("K3-style (latent MoE, SiTU, AttnRes)", "KKKM", dict(
+        first_dense_layers=1, num_experts=8, top_k=2, num_shared_experts=2, moe_activation="situ", ffn_kind="situ",
+        kda_gate="bounded", kda_output_gate="full", mla_output_gate=True, attnres_block=2)),
+]
+
+# The seeds' predictions (000/001), stated before measuring: which architectures fail which probe.
+PREDICTED_FAIL = {
+    "mqar": ["Linear attention"],
+    "overwrite": ["Linear attention"],
+    "fade": ["Linear attention", "DeltaNet"],
+    "mixed_half_lives": ["Linear attention", "Gated DeltaNet"],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    d_model: int
+    head_dim: int
+    seq_len: int
+    batch: int
+    steps: int
+    lr: float
+    vocab: int
+    num_facts: int
+    eval_sequences: int
+    decode_context: int
+    decode_tokens: int
+
+
+QUICK = Budget(d_model=64, head_dim=16, seq_len=64, batch=16, steps=150, lr=3e-3, vocab=128, num_facts=6,
+               eval_sequences=64, decode_context=256, decode_tokens=16)
+FULL = Budget(d_model=256, head_dim=64, seq_len=256, batch=64, steps=3000, lr=1e-3, vocab=512, num_facts=24,
+              eval_sequences=512, decode_context=4096, decode_tokens=64)
+
+
+def model_config(label: str, pattern: str, extra: dict, b: Budget) -> ModelConfig:
+    heads = b.d_model // b.head_dim
+    base = dict(name=label, vocab_size=b.vocab, d_model=b.d_model, pattern=pattern, num_heads=heads,
+                head_dim=b.head_dim, ffn_hidden=4 * b.d_model, moe_hidden=b.d_model, chunk_size=16,
+                max_seq_len=max(b.seq_len, b.decode_context + b.decode_tokens), kv_lora_rank=2 * b.head_dim,
+                qk_nope_head_dim=b.head_dim, qk_rope_head_dim=b.head_dim // 2, v_head_dim=b.head_dim,
+                moe_latent_dim=b.d_model // 2 if "moe_activation" in extra else None, conv_size=4)
+    base.update(extra)
+    return ModelConfig(**base)
+
+
+def reference_config(pattern: str) -> ModelConfig:
+    """The memory columns' reference width: 16 heads × 128, MLA latent 512 + rope 64."""
+    return ModelConfig(pattern=pattern, d_model=2048, num_heads=16, head_dim=128, kv_lora_rank=512,
+                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, ffn_hidden=8192)
+
+
+def memory_per_layer(pattern: str, context: int) -> float:
+    ref = reference_config(pattern)
+    total = accounting.cache_bytes_per_token(ref, dtype_bytes=2) * context + accounting.state_bytes(ref, dtype_bytes=4)
+    return total / ref.num_layers
+
+
+class ProbeMixture:
+    """Random access over the four probes, interleaved (example ``i`` is probe ``i % 4``)."""
+
+    def __init__(self, tasks):
+        self.tasks = tasks
+
+    def __len__(self):
+        return min(len(t) for t in self.tasks) * len(self.tasks)
+
+    def __getitem__(self, i):
+        return self.tasks[int(i) % len(self.tasks)][int(i) // len(self.tasks)]
+
+
+def make_probes(b: Budget, seed: int):
+    kw = dict(vocab_size=b.vocab, seq_len=b.seq_len, seed=seed)
+    return {
+        "mqar": D.get_task("mqar", num_kv_pairs=b.num_facts, **kw),
+        "overwrite": D.get_task("overwrite", num_facts=b.num_facts, **kw),
+        "fade": D.get_task("fade", num_facts=b.num_facts, **kw),
+        "mixed_half_lives": D.get_task("mixed_half_lives", num_facts=max(2, b.num_facts // 2), **kw),
+    }
+
+
+def evaluate(model: Decoder, task, n: int, batch: int) -> float:
+    forward = nnx.jit(lambda m, t: m(t))
+    correct = total = 0.0
+    for start in range(0, n, batch):
+        rows = [task[i] for i in range(start, min(start + batch, n))]
+        tokens = jnp.asarray(np.stack([r["tokens"] for r in rows]))
+        pred = np.asarray(jnp.argmax(forward(model, tokens), axis=-1))
+        targets = np.stack([r["targets"] for r in rows])
+        mask = np.stack([r["mask"] for r in rows])
+        correct += float(np.sum((pred == targets) * mask))
+        total += float(np.sum(mask))
+    return correct / max(total, 1.0)
+
+
+def decode_ms_per_token(model: Decoder, b: Budget, seed: int) -> float:
+    ctx = jax.random.randint(jax.random.key(seed), (1, b.decode_context), 2, b.vocab)
+    cache = model.init_cache(1, b.decode_context + b.decode_tokens + 1)
+    _, cache = nnx.jit(lambda m, t, c: m.prefill(t, c))(model, ctx, cache)
+    step = nnx.jit(lambda m, t, c: m.decode(t, c))
+    tok = jnp.zeros((1,), jnp.int32)
+    logits, cache = step(model, tok, cache)  # compile
+    jax.block_until_ready(logits)
+    times = []
+    for _ in range(b.decode_tokens):
+        t0 = time.perf_counter()
+        logits, cache = step(model, tok, cache)
+        jax.block_until_ready(logits)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def train_one(cfg: ModelConfig, b: Budget, seed: int, bar) -> tuple[Decoder, list[float]]:
+    tc = TrainConfig(config="custom", steps=b.steps, batch_size=b.batch, seq_len=b.seq_len, lr=b.lr,
+                     warmup_steps=max(1, b.steps // 20), seed=seed)
+    graphdef, state, tx = init_state(cfg, tc)
+    step = jax.jit(make_train_step(graphdef, tx, tc), donate_argnums=(0,))
+    mixture = ProbeMixture(list(make_probes(b, seed).values()))
+    batches = D.make_batches(mixture, seq_len=b.seq_len, batch_size=b.batch, seed=seed)
+    losses = []
+    for i in range(b.steps):
+        state, metrics = step(state, next(batches))
+        if (i + 1) % max(1, b.steps // 10) == 0 or i + 1 == b.steps:
+            losses.append(float(metrics["loss"]))
+            bar.set_postfix(arch=cfg.name[:18], loss=f"{losses[-1]:.3f}")
+        bar.update(1)
+    return nnx.merge(graphdef, state.params, state.rest), losses
+
+
+def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optional[int] = None,
+        only: Optional[list[str]] = None) -> dict:
+    """Train, score and cost every architecture (``only``: a subset of labels, for tests)."""
+    b = QUICK if quick else FULL
+    archs = [a for a in ARCHITECTURES if only is None or a[0] in only]
+    if not archs:
+        raise ValueError(f"only: no architecture matches {only}; valid: {[a[0] for a in ARCHITECTURES]}")
+    if steps is not None:
+        b = dataclasses.replace(b, steps=steps)
+    record = C.provenance(NAME, quick)
+    record["budget"] = dataclasses.asdict(b)
+    record["predicted_fail"] = PREDICTED_FAIL
+    rows = []
+    bar = C.progress(desc="scorecard", total=b.steps * len(archs), unit="step")
+    for label, pattern, extra in archs:
+        cfg = model_config(label, pattern, extra, b)
+        t0 = time.perf_counter()
+        model, losses = train_one(cfg, b, seed, bar)
+        train_s = time.perf_counter() - t0
+        held_out = make_probes(b, seed + 1_000_003)
+        acc = {p: evaluate(model, held_out[p], b.eval_sequences, b.batch) for p in PROBES}
+        rows.append({
+            "architecture": label, "pattern": pattern,
+            "params": accounting.param_counts(cfg)["total"],
+            "memory_per_layer_1k": memory_per_layer(pattern, 1 << 10),
+            "memory_per_layer_1m": memory_per_layer(pattern, 1 << 20),
+            "accuracy": acc, "final_loss": losses[-1], "loss_curve": losses, "train_s": train_s,
+            "decode_ms_per_token": decode_ms_per_token(model, b, seed),
+        })
+    bar.close()
+    record["rows"] = rows
+    record["prediction_check"] = check_predictions(rows)
+    return C.finish(record, NAME, out, plot(rows, b))
+
+
+def check_predictions(rows: list[dict]) -> dict:
+    """Per probe: did the architectures the seeds predict to fail score below the probe's median?"""
+    checks = {}
+    for p in PROBES:
+        scores = {r["architecture"]: r["accuracy"][p] for r in rows}
+        median = float(np.median(list(scores.values())))
+        checks[p] = {name: {"accuracy": scores[name], "below_median": scores[name] < median}
+                     for name in PREDICTED_FAIL[p] if name in scores}
+    return checks
+
+
+def plot(rows: list[dict], b: Budget):
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [1.3, 1]})
+    acc = np.array([[r["accuracy"][p] for p in PROBES] for r in rows])
+    im = ax1.imshow(acc, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax1.set_xticks(range(len(PROBES)), [PROBE_LABELS[p] for p in PROBES])
+    ax1.set_yticks(range(len(rows)), [r["architecture"] for r in rows])
+    for i in range(acc.shape[0]):
+        for j in range(acc.shape[1]):
+            ax1.text(j, i, f"{acc[i, j]:.2f}", ha="center", va="center", color="w" if acc[i, j] < 0.6 else "k")
+    ax1.set_title(f"eviction probes: accuracy after {b.steps} steps (same budget)")
+    fig.colorbar(im, ax=ax1, fraction=0.03)
+    y = np.arange(len(rows))
+    ax2.barh(y - 0.2, [r["memory_per_layer_1k"] for r in rows], 0.4, label="1K tokens")
+    ax2.barh(y + 0.2, [r["memory_per_layer_1m"] for r in rows], 0.4, label="1M tokens")
+    ax2.set_xscale("log")
+    ax2.set_yticks(y, [f"{r['architecture'][:24]}\n{r['decode_ms_per_token']:.2f} ms/token" for r in rows], fontsize=7)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("memory per layer (bytes; 16 heads × 128, bf16 cache / fp32 state)")
+    ax2.legend()
+    ax2.set_title("what it costs")
+    fig.tight_layout()
+    return fig
+
+
+def table(record: dict) -> str:
+    rows = []
+    for r in record["rows"]:
+        rows.append([r["architecture"], C.fmt_bytes(r["memory_per_layer_1k"]), C.fmt_bytes(r["memory_per_layer_1m"]),
+                     *[f"{r['accuracy'][p]:.2f}" for p in PROBES], f"{r['decode_ms_per_token']:.2f}"])
+    headers = ["architecture", "mem/layer 1K", "mem/layer 1M", *[PROBE_LABELS[p] for p in PROBES], "decode ms/tok"]
+    b = record["budget"]
+    title = (f"Scorecard ({'quick' if record['quick'] else 'full'}: d={b['d_model']}, 4 layers, {b['steps']} steps × "
+             f"{b['batch']} × {b['seq_len']} tokens; device {record['device'].get('kind', record['device'])})")
+    lines = [C.format_table(headers, rows, title), "", "Seeds' predictions (fails = below the probe's median):"]
+    for p, names in record["prediction_check"].items():
+        verdict = ", ".join(f"{n}: {v['accuracy']:.2f} ({'yes' if v['below_median'] else 'NO'})" for n, v in names.items())
+        lines.append(f"  {PROBE_LABELS[p]:>16}: {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = C.make_parser(NAME, __doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=C.positive_int, default=None, help="override the training steps")
+    return C.main_for(NAME, parser, run, table, argv)
+
+
+if __name__ == "__main__":
+    main()
