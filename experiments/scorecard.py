@@ -44,7 +44,7 @@ NAME = "scorecard"
 PROBES = ("mqar", "overwrite", "fade", "mixed_half_lives")
 PROBE_LABELS = {"mqar": "recall", "overwrite": "overwrite", "fade": "fade", "mixed_half_lives": "mixed half-lives"}
 
-# (label, pattern, extra config fields)
+# (label, pattern, extra config fields); KEYS give each a short name for --only.
 ARCHITECTURES = [
     ("GPT-2 (softmax + KV cache)", "SSSS", dict(positions="learned", norm="layernorm", ffn_kind="gelu", attn_bias=True)),
     ("Linear attention", "LLLL", {}),
@@ -57,6 +57,8 @@ ARCHITECTURES = [
         first_dense_layers=1, num_experts=8, top_k=2, num_shared_experts=2, moe_activation="situ", ffn_kind="situ",
         kda_gate="bounded", kda_output_gate="full", mla_output_gate=True, attnres_block=2)),
 ]
+
+KEYS = dict(zip(["gpt2", "linear", "deltanet", "gdn", "kda", "mla", "kimi_linear", "k3"], [a[0] for a in ARCHITECTURES]))
 
 # The seeds' predictions (000/001), stated before measuring: which architectures fail which probe.
 PREDICTED_FAIL = {
@@ -82,7 +84,7 @@ class Budget:
     decode_tokens: int
 
 
-QUICK = Budget(d_model=64, head_dim=16, seq_len=64, batch=16, steps=150, lr=3e-3, vocab=128, num_facts=6,
+QUICK = Budget(d_model=64, head_dim=16, seq_len=64, batch=16, steps=200, lr=3e-3, vocab=128, num_facts=6,
                eval_sequences=64, decode_context=256, decode_tokens=16)
 FULL = Budget(d_model=256, head_dim=64, seq_len=256, batch=64, steps=3000, lr=1e-3, vocab=512, num_facts=24,
               eval_sequences=512, decode_context=4096, decode_tokens=64)
@@ -184,11 +186,13 @@ def train_one(cfg: ModelConfig, b: Budget, seed: int, bar) -> tuple[Decoder, lis
 
 def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optional[int] = None,
         only: Optional[list[str]] = None) -> dict:
-    """Train, score and cost every architecture (``only``: a subset of labels, for tests)."""
+    """Train, score and cost every architecture (``only``: a subset of ``KEYS``)."""
     b = QUICK if quick else FULL
-    archs = [a for a in ARCHITECTURES if only is None or a[0] in only]
-    if not archs:
-        raise ValueError(f"only: no architecture matches {only}; valid: {[a[0] for a in ARCHITECTURES]}")
+    if only is not None:
+        unknown = sorted(set(only) - set(KEYS))
+        if unknown:
+            raise ValueError(f"only: unknown architecture(s) {unknown}; valid: {sorted(KEYS)}")
+    archs = [a for a in ARCHITECTURES if only is None or a[0] in {KEYS[k] for k in only}]
     if steps is not None:
         b = dataclasses.replace(b, steps=steps)
     record = C.provenance(NAME, quick)
@@ -274,6 +278,8 @@ def main(argv=None) -> dict:
     parser = C.make_parser(NAME, __doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=C.positive_int, default=None, help="override the training steps")
+    parser.add_argument("--only", type=lambda t: t.split(","), default=None,
+                        help=f"comma-separated subset of: {','.join(KEYS)}")
     return C.main_for(NAME, parser, run, table, argv)
 
 

@@ -34,7 +34,8 @@ def load(workdir: str) -> tuple[Decoder, TrainConfig]:
         record = json.load(f)
     train_cfg, model_cfg = TrainConfig(**record["train"]), ModelConfig(**record["model"])
     graphdef, abstract = _abstract_state(model_cfg, train_cfg)
-    state, _ = Checkpointer(os.path.join(workdir, "checkpoints")).restore(abstract)
+    with Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False) as ckpt:
+        state, _ = ckpt.restore(abstract)
     return nnx.merge(graphdef, state.params, state.rest), train_cfg
 
 

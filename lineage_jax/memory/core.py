@@ -230,9 +230,40 @@ def ut_transform(kk: Array, k: Array, v: Array, beta: Array, decay_in: Array,
     if same_doc is not None:
         A = A * same_doc
     rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * k * decay_in], axis=-1)
-    eye = jnp.eye(C, dtype=A.dtype)
-    sol = jax.scipy.linalg.solve_triangular(eye + A, rhs, lower=True, unit_diagonal=True)
+    sol = _einsum("...ij,...jd->...id", unit_lower_inverse(A), rhs)
     return sol[..., : v.shape[-1]], sol[..., v.shape[-1]:]
+
+
+def unit_lower_inverse(A: Array) -> Array:
+    """``T = (I + A)⁻¹`` for strictly lower triangular ``A [..., C, C]``, by matmuls alone.
+
+    Block inversion, bottom-up: with ``L = [[L11, 0], [L21, L22]]``,
+    ``L⁻¹ = [[L11⁻¹, 0], [−L22⁻¹ L21 L11⁻¹, L22⁻¹]]``. Starting from 1×1 blocks (whose
+    inverse is 1) each level doubles the block size, so ``log2 C`` levels of batched
+    matmuls build ``T`` — no triangular-solve lowering (absent on TPU; and jaxlib's CPU
+    batched ``trsm`` can deadlock when two run at once on a small thread pool).
+    ``C`` that is not a power of two is padded with identity rows.
+    """
+    C = A.shape[-1]
+    n = 1 << max(C - 1, 0).bit_length()
+    lead = A.shape[:-2]
+    if n != C:
+        A = jnp.pad(A, [(0, 0)] * len(lead) + [(0, n - C), (0, n - C)])
+    T = jnp.ones((*lead, n, 1, 1), A.dtype)  # n diagonal blocks of size 1
+    s = 1
+    while s < n:
+        m = n // (2 * s)  # blocks of size 2s
+        blocks = A.reshape(*lead, m, 2 * s, m, 2 * s)
+        diag = jnp.diagonal(blocks, axis1=-4, axis2=-2)  # [..., 2s, 2s, m]
+        L21 = jnp.moveaxis(diag, -1, -3)[..., s:, :s]  # [..., m, s, s]
+        T11, T22 = T.reshape(*lead, m, 2, s, s)[..., 0, :, :], T.reshape(*lead, m, 2, s, s)[..., 1, :, :]
+        T21 = -_einsum("...ij,...jk,...kl->...il", T22, L21, T11)
+        top = jnp.concatenate([T11, jnp.zeros_like(T11)], axis=-1)
+        bottom = jnp.concatenate([T21, T22], axis=-1)
+        T = jnp.concatenate([top, bottom], axis=-2)  # [..., m, 2s, 2s]
+        s *= 2
+    # T is [..., 1, n, n]: one block covering the padded chunk.
+    return T.reshape(*lead, n, n)[..., :C, :C]
 
 
 def chunked(x: RuleInputs, state: Array, *, erase: bool, chunk_size: int) -> tuple[Array, Array]:

@@ -75,13 +75,48 @@ def _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode
     return B, T, H, K, Vd
 
 
-def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids, mode, chunk_size, cast=True):
+BACKENDS = ("auto", "xla", "pallas")
+
+
+def _use_pallas(fn, backend, mode, chunk_size, dt) -> bool:
+    """Resolve ``backend``: "xla" (``core``), "pallas" (``kernels.delta``; on the CPU in
+    interpret mode) or "auto" (Pallas on GPU/TPU for the chunked float32 form, else XLA)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: `backend` must be one of {BACKENDS}, got {backend!r}")
+    if backend == "xla":
+        return False
+    if backend == "auto":
+        return jax.default_backend() != "cpu" and mode == "chunked" and dt == jnp.float32
+    if mode != "chunked":
+        raise ValueError(f"{fn}: `backend='pallas'` runs the chunked form; got mode={mode!r}")
+    return True
+
+
+def _run_pallas(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, dt):
+    from kernels.delta import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda  # memory/ -> kernels/
+
+    # The kernels pick their own chunk (tile-tuned per target); ``chunk_size`` tunes the XLA form.
+    kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids)
+    if gate == _GATE_NONE:
+        o, S = chunk_delta_rule(q, k, v, beta, **kw)
+    elif gate == _GATE_SCALAR:
+        o, S = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    else:
+        o, S = chunk_kda(q, k, v, g, beta, **kw)
+    return o.astype(jnp.result_type(q, k, v)), S.astype(dt)
+
+
+def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids, mode, chunk_size, cast=True,
+         backend="xla"):
     B, T, H, K, Vd = _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, chunk_size)
     if initial_state is not None:
         V.require_shape(fn, "initial_state", initial_state, (B, H, K, Vd), "[B,H,K,V]")
     scale = V.resolve_scale(fn, scale, K)
     dt = _compute_dtype(q, k, v, g, beta)
     out_dtype = jnp.result_type(q, k, v)
+    if erase and _use_pallas(fn, backend, mode, chunk_size, dt):
+        return _run_pallas(q, k, v, g, beta, gate=gate, scale=scale, initial_state=initial_state,
+                           segment_ids=segment_ids, dt=dt)
     x = core.RuleInputs(
         q=q.astype(dt) * scale,
         k=k.astype(dt),
@@ -154,17 +189,21 @@ def delta_rule(
     segment_ids: Optional[Array] = None,
     mode: str = "chunked",
     chunk_size: int = 64,
+    backend: str = "xla",
 ) -> tuple[Array, Array]:
     """DeltaNet: ``S_t = (I − β_t k_tᵀk_t) S_{t-1} + β_t k_tᵀ v_t``, ``o_t = q_t S_t``.
 
     Args:
       q, k: ``[B, T, H, K]`` (keys should be L2-normalized); v: ``[B, T, H, V]``;
       beta: ``[B, T, H]`` write strengths (typically in ``(0, 1)``).
+      backend: ``"xla"`` (:mod:`.core`), ``"pallas"`` (the :mod:`kernels.delta` kernels,
+        chunked mode only, float32 arithmetic, their own chunk size; interpret mode on the
+        CPU) or ``"auto"`` (Pallas on GPU/TPU for float32-compute chunked calls, else XLA).
     Returns:
       ``(o [B, T, H, V], S [B, H, K, V])``.
     """
     return _run("delta_rule", q, k, v, None, beta, gate=_GATE_NONE, erase=True, scale=scale,
-                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size)
+                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend)
 
 
 def gated_delta_rule(
@@ -179,6 +218,7 @@ def gated_delta_rule(
     segment_ids: Optional[Array] = None,
     mode: str = "chunked",
     chunk_size: int = 64,
+    backend: str = "xla",
 ) -> tuple[Array, Array]:
     """Gated DeltaNet: ``S_t = α_t (I − β_t k_tᵀk_t) S_{t-1} + β_t k_tᵀ v_t``, ``α_t = exp(g_t)``.
 
@@ -187,7 +227,7 @@ def gated_delta_rule(
       Others as :func:`delta_rule`.
     """
     return _run("gated_delta_rule", q, k, v, g, beta, gate=_GATE_SCALAR, erase=True, scale=scale,
-                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size)
+                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend)
 
 
 def kda(
@@ -202,6 +242,7 @@ def kda(
     segment_ids: Optional[Array] = None,
     mode: str = "chunked",
     chunk_size: int = 64,
+    backend: str = "xla",
 ) -> tuple[Array, Array]:
     """Kimi Delta Attention: ``S_t = (I − β_t k_tᵀk_t) Diag(α_t) S_{t-1} + β_t k_tᵀ v_t``.
 
@@ -212,7 +253,7 @@ def kda(
       Others as :func:`delta_rule`.
     """
     return _run("kda", q, k, v, g, beta, gate=_GATE_CHANNEL, erase=True, scale=scale,
-                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size)
+                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend)
 
 
 # ----------------------------------------------------------------------------

@@ -120,75 +120,77 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
     _write_configs(workdir, train_cfg, model_cfg)
     graphdef, state, tx = init_state(model_cfg, train_cfg)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=train_cfg.keep_checkpoints)
-    train_iter = data("train")
-    start = 0
-    if ckpt.latest_step() is not None:
-        state, data_state = ckpt.restore(state)
-        train_iter.set_state(data_state)
-        start = int(state.step)
-        log(f"resumed {workdir} at step {start}")
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
-    _trim_metrics(metrics_path, start)
-
-    train_step = jax.jit(make_train_step(graphdef, tx, train_cfg), donate_argnums=(0,))
-    eval_step = jax.jit(make_eval_step(graphdef))
-    tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
-    flops_per_step = 3 * accounting.flops_per_token(model_cfg, train_cfg.seq_len) * tokens_per_step
-    peak = peak_flops()
-
     try:
-        from tensorboardX import SummaryWriter
-        writer = SummaryWriter(os.path.join(workdir, "tb"))
-    except ImportError:  # pragma: no cover - tensorboardX is a dependency
-        writer = None
+        train_iter = data("train")
+        start = 0
+        if ckpt.latest_step() is not None:
+            state, data_state = ckpt.restore(state)
+            train_iter.set_state(data_state)
+            start = int(state.step)
+            log(f"resumed {workdir} at step {start}")
+        metrics_path = os.path.join(workdir, "metrics.jsonl")
+        _trim_metrics(metrics_path, start)
 
-    last: dict[str, float] = {}
-    evaluation: dict[str, float] = {}
-    bar = tqdm(total=train_cfg.steps, initial=start, disable=not train_cfg.progress, unit="step", dynamic_ncols=True)
-    t_last, step_last = time.perf_counter(), start
-    stopped = False
-    with _Preemption() as preempt, open(metrics_path, "a") as mfile:
-        for step in range(start, train_cfg.steps):
-            batch = next(train_iter)
-            state, metrics = train_step(state, batch)
-            done = step + 1
-            if done % train_cfg.log_every == 0 or done == train_cfg.steps or preempt.requested:
-                last = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                now = time.perf_counter()
-                rate = (done - step_last) * tokens_per_step / max(now - t_last, 1e-9)
-                t_last, step_last = now, done
-                last["tokens_per_s"] = rate
-                if peak:
-                    last["mfu"] = rate / tokens_per_step * flops_per_step / peak
-                record = {"step": done, **last}
-                mfile.write(json.dumps(record) + "\n")
-                mfile.flush()
-                if writer is not None:
-                    for k, v in last.items():
-                        writer.add_scalar(f"train/{k}", v, done)
-                post = {"loss": f"{last['loss']:.4f}", "tok/s": f"{rate:,.0f}"}
-                if peak:
-                    post["mfu"] = f"{100 * last['mfu']:.1f}%"
-                bar.set_postfix(post)
-            bar.update(1)
-            if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.steps:
+        train_step = jax.jit(make_train_step(graphdef, tx, train_cfg), donate_argnums=(0,))
+        eval_step = jax.jit(make_eval_step(graphdef))
+        tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
+        flops_per_step = 3 * accounting.flops_per_token(model_cfg, train_cfg.seq_len) * tokens_per_step
+        peak = peak_flops()
+
+        try:
+            from tensorboardX import SummaryWriter
+            writer = SummaryWriter(os.path.join(workdir, "tb"))
+        except ImportError:  # pragma: no cover - tensorboardX is a dependency
+            writer = None
+
+        last: dict[str, float] = {}
+        evaluation: dict[str, float] = {}
+        bar = tqdm(total=train_cfg.steps, initial=start, disable=not train_cfg.progress, unit="step", dynamic_ncols=True)
+        t_last, step_last = time.perf_counter(), start
+        stopped = False
+        with _Preemption() as preempt, open(metrics_path, "a") as mfile:
+            for step in range(start, train_cfg.steps):
+                batch = next(train_iter)
+                state, metrics = train_step(state, batch)
+                done = step + 1
+                if done % train_cfg.log_every == 0 or done == train_cfg.steps or preempt.requested:
+                    last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    now = time.perf_counter()
+                    rate = (done - step_last) * tokens_per_step / max(now - t_last, 1e-9)
+                    t_last, step_last = now, done
+                    last["tokens_per_s"] = rate
+                    if peak:
+                        last["mfu"] = rate / tokens_per_step * flops_per_step / peak
+                    record = {"step": done, **last}
+                    mfile.write(json.dumps(record) + "\n")
+                    mfile.flush()
+                    if writer is not None:
+                        for k, v in last.items():
+                            writer.add_scalar(f"train/{k}", v, done)
+                    post = {"loss": f"{last['loss']:.4f}", "tok/s": f"{rate:,.0f}"}
+                    if peak:
+                        post["mfu"] = f"{100 * last['mfu']:.1f}%"
+                    bar.set_postfix(post)
+                bar.update(1)
+                if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.steps:
+                    evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches)
+                    mfile.write(json.dumps({"step": done, **evaluation}) + "\n")
+                if done % train_cfg.save_every == 0 or done == train_cfg.steps or preempt.requested:
+                    ckpt.save(done, state, train_iter.get_state(), force=True)
+                if preempt.requested:
+                    log(f"SIGTERM: saved step {done} in {workdir}; rerun the same command to resume")
+                    stopped = True
+                    break
+            if not stopped and int(state.step) == train_cfg.steps:
                 evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches)
-                mfile.write(json.dumps({"step": done, **evaluation}) + "\n")
-            if done % train_cfg.save_every == 0 or done == train_cfg.steps or preempt.requested:
-                ckpt.save(done, state, train_iter.get_state(), force=True)
-            if preempt.requested:
-                log(f"SIGTERM: saved step {done} in {workdir}; rerun the same command to resume")
-                stopped = True
-                break
-        if not stopped and int(state.step) == train_cfg.steps:
-            evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches)
-            if evaluation:
-                mfile.write(json.dumps({"step": int(state.step), **evaluation}) + "\n")
-                if writer is not None:
-                    for k, v in evaluation.items():
-                        writer.add_scalar(f"eval/{k}", v, int(state.step))
-    bar.close()
-    ckpt.close()
-    if writer is not None:
-        writer.close()
-    return {"step": int(state.step), "metrics": last, "eval": evaluation, "preempted": stopped, "workdir": workdir}
+                if evaluation:
+                    mfile.write(json.dumps({"step": int(state.step), **evaluation}) + "\n")
+                    if writer is not None:
+                        for k, v in evaluation.items():
+                            writer.add_scalar(f"eval/{k}", v, int(state.step))
+        bar.close()
+        if writer is not None:
+            writer.close()
+        return {"step": int(state.step), "metrics": last, "eval": evaluation, "preempted": stopped, "workdir": workdir}
+    finally:
+        ckpt.close()

@@ -56,7 +56,8 @@ def test_exact_resume(tmp_path):
     full = run(tmp_path / "full", 6)
     first = run(tmp_path / "resumed", 6, kill_at=3)
     assert first["preempted"] and first["step"] == 3
-    assert Checkpointer(str(tmp_path / "resumed" / "checkpoints")).latest_step() == 3
+    with Checkpointer(str(tmp_path / "resumed" / "checkpoints"), async_save=False) as ck:
+        assert ck.latest_step() == 3
     again = run(tmp_path / "resumed", 6)
     a, b = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]

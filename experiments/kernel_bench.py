@@ -1,0 +1,506 @@
+"""Benchmark the chunked delta-rule kernels on one GPU, side by side in one process.
+
+Methods (bf16 q/k/v, H=16, D=K=V=128; fwd and fwd+bwd):
+
+* ``pallas``  — our Pallas kernels (``kernels.delta``) via ``lineage_jax.memory`` ``backend="pallas"``;
+* ``xla``     — our XLA chunked form (``backend="xla"``: ``lineage_jax.memory.core.chunked``);
+* ``fla``     — flash-linear-attention's Triton kernels (``chunk_kda``, ``chunk_delta_rule``,
+  ``chunk_gated_delta_rule``; GDN forward only: its backward miscompiles on Triton 3.6 + Hopper);
+* ``cudnn``   — causal softmax attention, ``jax.nn.dot_product_attention(implementation="cudnn")``.
+
+Timing: JAX — median of ``--reps`` (>= 20) runs, each ``block_until_ready``-synchronized,
+after warm-up; torch — median of CUDA-event-timed runs after warm-up. FLOPs and
+minimal HBM bytes are counted analytically (see :func:`delta_flops`); the roofline
+(bf16 matmul rate, copy bandwidth) is measured in the same process.
+
+Correctness is read from the timed functions themselves: each fwd+bwd jit returns
+``(o, S, grads)`` and the Pallas results are compared with the XLA chunked form at the
+benchmark shape (``check_at_bench_shape`` in the JSON, bf16 tolerance 1e-2). One jit per
+(rule, method, mode) keeps Triton compiles — the scarce resource on a short lease — to a
+minimum. ``--parts check`` adds a small-shape f32/bf16 check with resets and an initial
+state; ``--parts stages`` times the five Pallas kernels one by one.
+
+Usage (on the device; fla-core installed with ``--target`` from a carried wheel)::
+
+    python -m experiments.kernel_bench --out $OUT --budget_s 400     # roofline + bench
+    python -m experiments.kernel_bench --parts check,stages          # subsets
+
+Writes ``kernel_bench.json`` and ``kernel_bench.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+SHAPES = ((2, 8192), (8, 2048), (1, 32768))
+H, D, CHUNK = 16, 128, 64
+RULES = ("kda", "delta", "gdn")
+WARPS = tuple(int(w) for w in os.environ.get("BENCH_WARPS", "4").split(","))
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Counting
+# ---------------------------------------------------------------------------
+def delta_flops(B, T, H, D, C=CHUNK):
+    """Matmul FLOPs of the chunked WY/UT form, per direction (dense tiles counted in full).
+
+    Forward per chunk: A and M (2·2C²D), the solve applied to [V | K] (2C²·2D),
+    Ũ = U − WS and S += k_outᵀŨ and q_in S (3·2CD²), MŨ (2C²D): 10C²D + 6CD².
+    Backward: 22C²D + 12CD² (state pass 3 CD² products + MᵀdO; dq_in, dW, dk_out;
+    dM, recomputed A, the transposed solve, dA, and the four score gradients).
+    """
+    n = B * H * (T // C)
+    fwd = n * (10 * C * C * D + 6 * C * D * D)
+    bwd = n * (22 * C * C * D + 12 * C * D * D)
+    return fwd, fwd + bwd
+
+
+def delta_bytes(B, T, H, D, rule):
+    """Fewest HBM bytes: inputs read once, outputs written once (bf16 q/k/v/o, f32 g)."""
+    tok = B * T * H
+    g_bytes = 4 * D if rule == "kda" else (4 if rule == "gdn" else 0)
+    fwd = tok * (3 * 2 * D + g_bytes + 2 + 2 * D)
+    bwd = tok * (3 * 2 * D + g_bytes + 2 + 2 * D) + tok * (3 * 2 * D + g_bytes + 2)  # + dO read, grads written
+    return fwd, fwd + bwd
+
+
+def attn_flops(B, T, H, D):
+    fwd = 2 * B * H * T * T * D  # causal: half of 4·T²·D
+    return fwd, int(3.5 * fwd)
+
+
+def attn_bytes(B, T, H, D):
+    tok = B * T * H
+    return tok * 4 * 2 * D, tok * 4 * 2 * D + tok * 4 * 2 * D
+
+
+# ---------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------
+def time_jax(f, *args, reps=20, warmup=3):
+    jax.block_until_ready(f(*args))
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+def time_torch(fn, reps=20, warmup=3):
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def measure_roofline():
+    n = 8192
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
+    mmf = jax.jit(lambda a, b: a @ b)
+    ms = time_jax(mmf, a, b, reps=10)
+    tflops = 2 * n ** 3 / (ms * 1e-3) / 1e12
+    x = jax.random.normal(jax.random.PRNGKey(2), (1024, 1024, 1024), jnp.bfloat16)  # 2 GiB
+    cp = jax.jit(lambda x: x + 1)
+    ms2 = time_jax(cp, x, reps=10)
+    tbs = 2 * x.size * 2 / (ms2 * 1e-3) / 1e12
+    del a, b, x
+    return {"bf16_matmul_tflops": tflops, "copy_tbs": tbs}
+
+
+# ---------------------------------------------------------------------------
+# Inputs and functions
+# ---------------------------------------------------------------------------
+def make_inputs(B, T, dtype=jnp.bfloat16, seed=0, gate_scale=1.0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    q = jax.random.normal(ks[0], (B, T, H, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, H, D), jnp.float32)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, T, H, D), jnp.float32)
+    # KDA-style bounded gates in (-5 ... 0) scaled down: -gate_scale * sigmoid(z) * small
+    g = -gate_scale * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H, D))) * 0.2
+    gs = -gate_scale * jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))) * 0.2
+    beta = jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, H)))
+    do = jax.random.normal(ks[6], (B, T, H, D), jnp.float32)
+    c = lambda x: x.astype(dtype)  # noqa: E731
+    return dict(q=c(q), k=c(k), v=c(v), g=g, gs=gs, beta=c(beta), do=c(do))
+
+
+def rule_fn(rule, backend, **kw):
+    from lineage_jax import memory as M
+
+    if rule == "kda":
+        return lambda q, k, v, g, gs, beta: M.kda(q, k, v, g, beta, backend=backend, **kw)
+    if rule == "gdn":
+        return lambda q, k, v, g, gs, beta: M.gated_delta_rule(q, k, v, gs, beta, backend=backend, **kw)
+    return lambda q, k, v, g, gs, beta: M.delta_rule(q, k, v, beta, backend=backend, **kw)
+
+
+def jax_fwd(fn):
+    return jax.jit(lambda q, k, v, g, gs, beta: fn(q, k, v, g, gs, beta)[0])
+
+
+def jax_fwdbwd(fn):
+    """One jit: forward and the vjp; returns ``(o, S, grads)`` (the check reads them, timing too)."""
+    def f(q, k, v, g, gs, beta, do):
+        (o, S), pull = jax.vjp(fn, q, k, v, g, gs, beta)
+        return o, S, pull((do, jnp.zeros_like(S)))
+    return jax.jit(f)
+
+
+# ---------------------------------------------------------------------------
+# Parts
+# ---------------------------------------------------------------------------
+def rel(a, b):
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dgs", "dbeta")
+
+
+def compare(out_p, out_x, tol):
+    o1, s1, g1 = out_p
+    o0, s0, g0 = out_x
+    e = {"o": rel(o1, o0), "S": rel(s1, s0)}
+    for nm, a, b in zip(GRAD_NAMES, g1, g0):
+        if float(jnp.max(jnp.abs(jnp.asarray(b, jnp.float32)))) > 0:
+            e[nm] = rel(a, b)
+    e["pass"] = all(v <= tol for v in e.values() if isinstance(v, float))
+    return e
+
+
+def part_check(results):
+    """Small-shape check with resets + initial state + odd T (pallas vs XLA chunked)."""
+    out = {}
+    B, T = 2, 300
+    for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)):
+        x = make_inputs(B, T, dtype, seed=1, gate_scale=5.0)
+        seg = jnp.asarray(np.repeat(np.array([[0] * 97 + [1] * 120 + [2] * 83]), B, 0), jnp.int32)
+        S0 = 0.5 * jax.random.normal(jax.random.PRNGKey(9), (B, H, D, D), jnp.float32)
+        args = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
+        for rule in ("kda", "delta"):
+            name = f"{rule}/{jnp.dtype(dtype).name}"
+            try:
+                outs = {}
+                for backend in ("xla", "pallas"):
+                    fn = rule_fn(rule, backend, initial_state=S0, segment_ids=seg)
+                    # the reference runs on f32 copies of the same (rounded) inputs: f32 gradients
+                    a = tuple(t.astype(jnp.float32) for t in args) if backend == "xla" else args
+                    outs[backend] = jax_fwdbwd(fn)(*a, x["do"].astype(jnp.float32 if backend == "xla" else dtype))
+                out[name] = compare(outs["pallas"], outs["xla"], tol)
+                log("check", name, out[name])
+            except Exception as ex:  # noqa: BLE001
+                traceback.print_exc()
+                out[name] = {"error": repr(ex)[:2000], "pass": False}
+    results["check"] = out
+    return all(v.get("pass") for v in out.values())
+
+
+def part_stages(results, B=2, T=8192):
+    """Per-kernel times of the Pallas KDA / DeltaNet at one shape."""
+    from kernels.delta import api
+    out = {}
+    x = make_inputs(B, T)
+    for rule in ("kda", "delta"):
+        for nw in WARPS:
+            try:
+                s, args = api._debug_spec(x["q"], x["k"], x["v"], x["g"] if rule == "kda" else None, x["beta"],
+                                          num_warps=nw)
+                q, k, v, g, beta, doc, h0 = args
+                f1 = jax.jit(lambda *a: api._intra_fwd(s, *a))
+                t1 = time_jax(f1, q, k, v, g, beta, doc)
+                W, U, M, qin, kout, dend = f1(q, k, v, g, beta, doc)
+                f2 = jax.jit(lambda *a: api._state_fwd(s, *a))
+                t2 = time_jax(f2, W, U, kout, dend, h0)
+                h, ut, sT = f2(W, U, kout, dend, h0)
+                f3 = jax.jit(lambda *a: api._output(s, *a, q.dtype))
+                t3 = time_jax(f3, qin, h, M, ut)
+                do = x["do"]
+                f4 = jax.jit(lambda *a: api._state_bwd(s, *a))
+                t4 = time_jax(f4, M, do, kout, qin, W, dend, sT)
+                dh, dut, dh0 = f4(M, do, kout, qin, W, dend, sT)
+                f5 = jax.jit(lambda *a: api._intra_bwd(s, *a))
+                t5 = time_jax(f5, q, k, v, g, beta, doc, W, U, ut, dut, do, h, dh)
+                r = {"intra_fwd": t1, "state_fwd": t2, "output": t3, "state_bwd": t4, "intra_bwd": t5}
+                out[f"{rule}/warps{nw}"] = r
+                log("stages", rule, "warps", nw, {k: round(v, 3) for k, v in r.items()})
+            except Exception as ex:  # noqa: BLE001
+                traceback.print_exc()
+                out[f"{rule}/warps{nw}"] = {"error": repr(ex)[:2000]}
+    results["stages"] = out
+
+
+def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False):
+    try:
+        import torch
+        have_torch = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        have_torch = False
+    fla = None
+    if have_torch and "fla" in methods:
+        try:
+            from fla.ops.delta_rule import chunk_delta_rule as fla_delta
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+            from fla.ops.kda import chunk_kda as fla_kda
+            fla = dict(kda=fla_kda, delta=fla_delta, gdn=fla_gdn)
+        except Exception as ex:  # noqa: BLE001
+            log("fla unavailable:", repr(ex)[:300])
+    rows = results.setdefault("bench", [])
+    for (B, T) in shapes:
+        x = make_inputs(B, T)
+        a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
+        for rule in RULES:
+            fl_f, fl_fb = delta_flops(B, T, H, D)
+            by_f, by_fb = delta_bytes(B, T, H, D, rule)
+            outs = {}
+            for method in ("pallas", "xla"):
+                if method not in methods:
+                    continue
+                fn = rule_fn(rule, method)
+                for mode in ("fwdbwd", "fwd"):
+                    if mode == "fwdbwd" and rule == "gdn" and method == "pallas" and over():
+                        continue
+                    try:
+                        if mode == "fwd":
+                            ms = time_jax(jax_fwd(fn), *a6, reps=reps)
+                        else:
+                            f = jax_fwdbwd(fn)
+                            outs[method] = f(*a6, x["do"])
+                            ms = time_jax(f, *a6, x["do"], reps=reps)
+                    except Exception as ex:  # noqa: BLE001
+                        traceback.print_exc()
+                        ms = None
+                        log("FAIL", method, rule, mode, repr(ex)[:300])
+                    rows.append(dict(B=B, T=T, rule=rule, method=method, mode=mode, ms=ms,
+                                     flops=fl_f if mode == "fwd" else fl_fb, bytes=by_f if mode == "fwd" else by_fb))
+                    log("bench", B, T, rule, method, mode, ms)
+            if "pallas" in outs and "xla" in outs:
+                e = compare(outs["pallas"], outs["xla"], 1e-2)
+                results.setdefault("check_at_bench_shape", {})[f"{rule}/({B},{T})/bf16"] = e
+                log("check", rule, (B, T), e)
+            outs.clear()
+            if fla is not None and not over():
+                import torch
+                from torch.utils import dlpack as tdl
+
+                def tt(a):
+                    return tdl.from_dlpack(jax.block_until_ready(a))
+                q, k, v, do = (tt(x[n]).clone() for n in ("q", "k", "v", "do"))
+                beta = tt(x["beta"]).clone()
+                g = tt(x["g"]).clone()
+                gs = tt(x["gs"]).clone()
+                for mode in ("fwd", "fwdbwd"):
+                    if rule == "gdn" and mode == "fwdbwd":
+                        continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper (DESIGN.md)
+                    try:
+                        ins = [q, k, v] + ([g] if rule == "kda" else [gs] if rule == "gdn" else []) + [beta]
+                        if mode == "fwd":
+                            def run(ins=ins):
+                                with torch.no_grad():
+                                    fla[rule](*ins)
+                        else:
+                            ins = [t.detach().clone().requires_grad_(True) for t in ins]
+
+                            def run(ins=ins):
+                                o = fla[rule](*ins)[0]
+                                o.backward(do)
+                                for t in ins:
+                                    t.grad = None
+                        ms = time_torch(run, reps=reps)
+                    except Exception as ex:  # noqa: BLE001
+                        traceback.print_exc()
+                        ms = None
+                        log("FAIL fla", rule, mode, repr(ex)[:300])
+                    rows.append(dict(B=B, T=T, rule=rule, method="fla", mode=mode, ms=ms,
+                                     flops=fl_f if mode == "fwd" else fl_fb, bytes=by_f if mode == "fwd" else by_fb))
+                    log("bench", B, T, rule, "fla", mode, ms)
+        if "cudnn" in methods and not over():
+            af, afb = attn_flops(B, T, H, D)
+            ab, abb = attn_bytes(B, T, H, D)
+            att = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa: E731
+            for mode in ("fwd", "fwdbwd"):
+                try:
+                    if mode == "fwd":
+                        ms = time_jax(jax.jit(att), x["q"], x["k"], x["v"], reps=reps)
+                    else:
+                        f = jax.jit(lambda q, k, v, do: jax.vjp(att, q, k, v)[1](do))
+                        ms = time_jax(f, x["q"], x["k"], x["v"], x["do"], reps=reps)
+                except Exception as ex:  # noqa: BLE001
+                    traceback.print_exc()
+                    ms = None
+                rows.append(dict(B=B, T=T, rule="attention", method="cudnn", mode=mode, ms=ms,
+                                 flops=af if mode == "fwd" else afb, bytes=ab if mode == "fwd" else abb))
+                log("bench", B, T, "attention cudnn", mode, ms)
+        del x, a6
+
+
+def summarize(results):
+    roof = results.get("roofline", {})
+    peak_f = roof.get("bf16_matmul_tflops", 790.0) * 1e12
+    peak_b = roof.get("copy_tbs", 4.3) * 1e12
+    rows = results.get("bench", [])
+    idx = {(r["B"], r["T"], r["rule"], r["method"], r["mode"]): r["ms"] for r in rows}
+    for r in rows:
+        if r["ms"]:
+            floor = max(r["flops"] / peak_f, r["bytes"] / peak_b) * 1e3
+            r["pct_roofline"] = 100 * floor / r["ms"]
+            r["tflops"] = r["flops"] / (r["ms"] * 1e-3) / 1e12
+    lines = ["| (B, T) | rule | mode | pallas ms | xla ms | fla ms | cudnn attn ms | xla/pallas | fla/pallas | "
+             "pallas % roofline |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (B, T) in sorted({(r["B"], r["T"]) for r in rows}, key=lambda s: s[1]):
+        for rule in RULES:
+            for mode in ("fwd", "fwdbwd"):
+                p = idx.get((B, T, rule, "pallas", mode))
+                xl = idx.get((B, T, rule, "xla", mode))
+                fl = idx.get((B, T, rule, "fla", mode))
+                cu = idx.get((B, T, "attention", "cudnn", mode))
+                pr = next((r.get("pct_roofline") for r in rows if (r["B"], r["T"], r["rule"], r["method"], r["mode"])
+                           == (B, T, rule, "pallas", mode)), None)
+                f = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
+                ratio = lambda a, b: "—" if (a is None or b is None) else f"{a / b:.2f}×"  # noqa: E731
+                lines.append(f"| ({B}, {T}) | {rule} | {mode} | {f(p)} | {f(xl)} | {f(fl)} | {f(cu)} | "
+                             f"{ratio(xl, p)} | {ratio(fl, p)} | {f(pr)} |")
+    results["table"] = "\n".join(lines)
+    return results["table"]
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return
+    rows = [r for r in results.get("bench", []) if r["ms"]]
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, mode in zip(axes, ("fwd", "fwdbwd")):
+        labels, series = [], {}
+        shapes = sorted({(r["B"], r["T"]) for r in rows}, key=lambda s: s[1])
+        keys = sorted({(r["rule"], r["method"]) for r in rows if r["mode"] == mode})
+        for key in keys:
+            series[key] = [next((r["ms"] for r in rows if (r["B"], r["T"], r["rule"], r["method"], r["mode"])
+                                 == (B, T, key[0], key[1], mode)), np.nan) for (B, T) in shapes]
+        w = 0.8 / max(len(keys), 1)
+        for i, key in enumerate(keys):
+            ax.bar(np.arange(len(shapes)) + i * w, series[key], w, label=f"{key[1]} {key[0]}")
+        ax.set_xticks(np.arange(len(shapes)) + 0.4 - w / 2)
+        ax.set_xticklabels([f"B={B}, T={T}" for B, T in shapes])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"{mode}, H={H}, D={D}, bf16")
+        ax.legend(fontsize=6, ncol=2)
+        del labels
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    ap.add_argument("--parts", default="roofline,bench")
+    ap.add_argument("--shapes", default=";".join(f"{b},{t}" for b, t in SHAPES))
+    ap.add_argument("--methods", default="pallas,xla,fla,cudnn")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--budget_s", type=float, default=1e9, help="start no new part/shape after this many seconds")
+    args = ap.parse_args(argv)
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    parts = args.parts.split(",")
+    commit = os.environ.get("COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except Exception:  # noqa: BLE001
+            commit = ""
+    results = {"date": datetime.date.today().isoformat(), "commit": commit,
+               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "H": H, "D": D,
+               "chunk": CHUNK, "reps": args.reps}
+    path = os.path.join(args.out, "kernel_bench.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    log("device", results["device"], "jax", jax.__version__)
+    if "roofline" in parts:
+        results["roofline"] = measure_roofline()
+        log("roofline", results["roofline"])
+        save()
+    pallas_ok = True
+    t0 = time.time()
+    if "check" in parts:
+        pallas_ok = part_check(results)
+        log("check took", round(time.time() - t0, 1), "s")
+        log("check passed:", pallas_ok)
+        save()
+    shapes = [tuple(int(t) for t in s.split(",")) for s in args.shapes.split(";")]
+    over = lambda: time.time() - t_start > args.budget_s  # noqa: E731
+    methods = args.methods.split(",")
+    ours = [m for m in methods if m != "fla"]
+    reps = max(args.reps, 20)
+    if "bench" in parts and shapes and not over():
+        part_bench(results, shapes[:1], reps, ours, pallas_ok, over)
+        save()
+    if "stages" in parts and not over():
+        part_stages(results)
+        save()
+    if "bench" in parts:
+        for shape in shapes[1:]:
+            if over():
+                log("budget reached: skipping", shape)
+                continue
+            part_bench(results, [shape], reps, ours, pallas_ok, over)
+            save()
+        if "fla" in methods:  # last: its autotuning compiles many configs
+            for shape in shapes:
+                if over():
+                    log("budget reached: skipping fla", shape)
+                    continue
+                part_bench(results, [shape], reps, ["fla"], pallas_ok, over)
+                save()
+        log(summarize(results))
+        save()
+        plot(results, os.path.join(args.out, "kernel_bench.png"))
+    save()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

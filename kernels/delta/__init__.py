@@ -1,0 +1,14 @@
+"""Pallas kernels for the chunked (WY/UT) delta-rule family: DeltaNet, Gated DeltaNet, KDA.
+
+See :mod:`kernels.delta.api` for the public functions and the GPU/TPU choices,
+:mod:`kernels.delta.tiles` for the in-kernel math and its numerics, and
+:mod:`kernels.delta.kernels` for the five kernel bodies.
+"""
+
+from kernels.delta.api import (  # noqa: F401
+    chunk_delta_rule,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    check_chunk_size,
+    default_target,
+)

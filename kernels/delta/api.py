@@ -1,0 +1,458 @@
+"""Public API, layouts and the ``custom_vjp`` of the chunked delta-rule kernels.
+
+GPU: the Pallas **Triton** lowering. Why Triton rather than Mosaic GPU: on
+jax 0.11.2 the Triton lowering takes ordinary ``jnp``/``lax`` bodies (``where``,
+``exp``, reductions, small ``dot_general``s, ``fori_loop``) — exactly the tile
+math this rule needs, shared verbatim with the TPU kernels — and it runs in
+``interpret=True`` on the CPU with the same code. Mosaic GPU reaches wgmma/TMA
+but wants warpgroup-level programming (explicit SMEM staging, barriers, 64-row
+wgmma tiles) that cannot share a body with Mosaic TPU and that we could not
+develop and test inside one short device lease. The math lives in
+:mod:`kernels.delta.tiles`, so a Mosaic GPU backend can be swapped in later. GPU chunks
+are 32 tokens (two 16-row tiles): Triton's compile time grows steeply with the unrolled
+tile pairs (see :func:`default_chunk`). Measured on an H200 (docs/benchmarks.md):
+DeltaNet fwd+bwd 4.4–4.6× faster than the XLA chunked form but 1.5–2.5× slower than
+fla's Triton kernels; KDA 3.5–3.7× faster than XLA, 2.5–2.7× slower than fla.
+
+TPU: Mosaic. Tensors go head-major ``[B, H, T, D]`` so every block's last two
+dims are ``(C, 128·m)`` (chunk rows × lanes; K and V are padded to 128) or equal
+the array's, per-token scalars ride as ``[.., T, 1]`` columns, and the sequential
+passes put the chunk axis last in the grid (``"arbitrary"``) with the state in a
+VMEM scratch buffer. No cumsum or triangular solve is lowered: prefix sums are
+triangle matmuls and the solve is forward substitution on 16×16 tiles.
+
+Gated DeltaNet runs through the per-channel (KDA) kernels with its scalar gate
+broadcast over the key channels (exact, but it pays KDA's cost).
+
+Entry points: :func:`chunk_delta_rule`, :func:`chunk_gated_delta_rule`,
+:func:`chunk_kda` — ``[B, T, H, D]`` in, ``(o [B, T, H, V], S [B, H, K, V] f32)``
+out, differentiable in ``q, k, v, g, beta, initial_state`` by Pallas kernels
+(``jax.custom_vjp``; nothing is differentiated through ``pallas_call``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels.delta import kernels as kn
+from kernels.delta.tiles import F32, Cfg
+
+try:  # both exist in jax 0.10 / 0.11
+    from jax.experimental.pallas import triton as pltriton
+except Exception:  # pragma: no cover
+    pltriton = None
+try:
+    from jax.experimental.pallas import tpu as pltpu
+except Exception:  # pragma: no cover
+    pltpu = None
+
+Array = jax.Array
+TARGETS = ("gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Everything static about one call (hashable: a ``custom_vjp`` nondiff arg)."""
+
+    cfg: Cfg
+    target: str          # "gpu" (Triton flavour) or "tpu" (Mosaic flavour)
+    interpret: bool
+    B: int
+    H: int
+    N: int               # chunks
+    K: int               # padded key dim
+    V: int               # padded value dim
+    bv: int              # value block of the sequential passes
+    store_dtype: Any     # dtype of stored per-token intermediates (W, U, M, Ũ, ...)
+    state_dtype: Any     # dtype of stored per-chunk states (h, dh)
+    num_warps: int
+    num_warps_state: int
+
+
+# ---------------------------------------------------------------------------
+# Layouts: token arrays are [B, T, H, D] (gpu) or [B, H, T, D] (tpu); chunk
+# arrays [B, N, H, R, D] / [B, H, N, R, D]; states [B, H, K, V] always.
+# ---------------------------------------------------------------------------
+def _tok_shape(s: Spec, D, H=None):
+    H = s.H if H is None else H
+    T = s.N * s.cfg.chunk
+    return (s.B, T, H, D) if s.target == "gpu" else (s.B, H, T, D)
+
+
+def _chk_shape(s: Spec, R, D):
+    return (s.B, s.N, s.H, R, D) if s.target == "gpu" else (s.B, s.H, s.N, R, D)
+
+
+def _tok_spec(s: Spec, rows, cols, f):
+    """Block of ``rows`` tokens × ``cols``; ``f(*grid) -> (b, t_block, h, d_block)``."""
+    if s.target == "gpu":
+        return pl.BlockSpec((None, rows, None, cols), lambda *i: _perm_gpu(f(*i)))
+    return pl.BlockSpec((None, None, rows, cols), lambda *i: _perm_tpu(f(*i)))
+
+
+def _perm_gpu(t):
+    b, tb, h, db = t
+    return (b, tb, h, db)
+
+
+def _perm_tpu(t):
+    b, tb, h, db = t
+    return (b, h, tb, db)
+
+
+def _chk_spec(s: Spec, nrows, R, cols, f):
+    """Chunk-array block (``nrows`` None: one chunk, squeezed); ``f -> (b, n_block, h, d_block)``."""
+    if s.target == "gpu":
+        return pl.BlockSpec((None, nrows, None, R, cols), lambda *i: (lambda b, n, h, d: (b, n, h, 0, d))(*f(*i)))
+    return pl.BlockSpec((None, None, nrows, R, cols), lambda *i: (lambda b, n, h, d: (b, h, n, 0, d))(*f(*i)))
+
+
+def _state_spec(s: Spec, cols, f):
+    return pl.BlockSpec((None, None, s.K, cols), lambda *i: (lambda b, h, d: (b, h, 0, d))(*f(*i)))
+
+
+def _params(s: Spec, semantics, state=False):
+    if s.target == "gpu":
+        if pltriton is None:
+            return None
+        return pltriton.CompilerParams(num_warps=s.num_warps_state if state else s.num_warps, num_stages=1)
+    if pltpu is None:
+        return None
+    return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, state=False, scratch=()):
+    kw = {}
+    if scratch:
+        kw["scratch_shapes"] = list(scratch)
+    return pl.pallas_call(
+        body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=_params(s, semantics, state), interpret=s.interpret, **kw)
+
+
+# ---------------------------------------------------------------------------
+# The five pallas_calls.
+# ---------------------------------------------------------------------------
+def _chunk_inputs(s: Spec, q, k, v, g, beta, doc):
+    C, K, V = s.cfg.chunk, s.K, s.V
+    tk = _tok_spec(s, C, K, lambda b, h, n: (b, n, h, 0))
+    tv = _tok_spec(s, C, V, lambda b, h, n: (b, n, h, 0))
+    t1 = _tok_spec(s, C, 1, lambda b, h, n: (b, n, h, 0))
+    td = _tok_spec(s, C, 1, lambda b, h, n: (b, n, 0, 0))
+    args, specs = [q, k, v], [tk, tk, tv]
+    if g is not None:
+        args.append(g)
+        specs.append(tk)
+    args.append(beta)
+    specs.append(t1)
+    if doc is not None:
+        args.append(doc)
+        specs.append(td)
+    return args, specs
+
+
+def _intra_fwd(s: Spec, q, k, v, g, beta, doc):
+    C, K, V = s.cfg.chunk, s.K, s.V
+    args, specs = _chunk_inputs(s, q, k, v, g, beta, doc)
+    tk = _tok_spec(s, C, K, lambda b, h, n: (b, n, h, 0))
+    tv = _tok_spec(s, C, V, lambda b, h, n: (b, n, h, 0))
+    tc = _tok_spec(s, C, C, lambda b, h, n: (b, n, h, 0))
+    cd = _chk_spec(s, None, K, 1, lambda b, h, n: (b, n, h, 0))
+    sd = s.store_dtype
+    out_shape = [jax.ShapeDtypeStruct(_tok_shape(s, K), sd),   # W
+                 jax.ShapeDtypeStruct(_tok_shape(s, V), sd),   # U
+                 jax.ShapeDtypeStruct(_tok_shape(s, C), sd),   # M
+                 jax.ShapeDtypeStruct(_tok_shape(s, K), sd),   # q_in
+                 jax.ShapeDtypeStruct(_tok_shape(s, K), sd),   # k_out
+                 jax.ShapeDtypeStruct(_chk_shape(s, K, 1), F32)]  # d_end
+    return _call(s, functools.partial(kn.intra_fwd, s.cfg), grid=(s.B, s.H, s.N), in_specs=specs,
+                 out_specs=[tk, tv, tc, tk, tk, cd], out_shape=out_shape,
+                 semantics=("parallel", "parallel", "parallel"))(*args)
+
+
+def _state_fwd(s: Spec, W, U, kout, dend, h0):
+    C, K, V, N, bv = s.cfg.chunk, s.K, s.V, s.N, s.bv
+    nv = V // bv
+    out_shape = [jax.ShapeDtypeStruct(_chk_shape(s, K, V), s.state_dtype),  # h
+                 jax.ShapeDtypeStruct(_tok_shape(s, V), s.store_dtype),     # Ũ
+                 jax.ShapeDtypeStruct((s.B, s.H, K, V), F32)]               # final state
+    if s.target == "gpu":
+        T = N * C
+        fk = _tok_spec(s, T, K, lambda b, h, j: (b, 0, h, 0))
+        fv = _tok_spec(s, T, bv, lambda b, h, j: (b, 0, h, j))
+        fd = _chk_spec(s, N, K, 1, lambda b, h, j: (b, 0, h, 0))
+        st = _state_spec(s, bv, lambda b, h, j: (b, h, j))
+        fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
+        return _call(s, functools.partial(kn.state_fwd_loop, s.cfg, N), grid=(s.B, s.H, nv),
+                     in_specs=[fk, fv, fk, fd, st], out_specs=[fh, fv, st], out_shape=out_shape,
+                     semantics=None, state=True)(W, U, kout, dend, h0)
+    ck = _tok_spec(s, C, K, lambda b, h, j, n: (b, n, h, 0))
+    cv = _tok_spec(s, C, bv, lambda b, h, j, n: (b, n, h, j))
+    cd = _chk_spec(s, None, K, 1, lambda b, h, j, n: (b, n, h, 0))
+    st = _state_spec(s, bv, lambda b, h, j, n: (b, h, j))
+    ch = _chk_spec(s, None, K, bv, lambda b, h, j, n: (b, n, h, j))
+    return _call(s, functools.partial(kn.state_fwd_grid, s.cfg), grid=(s.B, s.H, nv, N),
+                 in_specs=[ck, cv, ck, cd, st], out_specs=[ch, cv, st], out_shape=out_shape,
+                 semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                 scratch=[pltpu.VMEM((K, bv), F32)])(W, U, kout, dend, h0)
+
+
+def _output(s: Spec, qin, h, M, ut, out_dtype):
+    C, K, V = s.cfg.chunk, s.K, s.V
+    tk = _tok_spec(s, C, K, lambda b, h_, n: (b, n, h_, 0))
+    tv = _tok_spec(s, C, V, lambda b, h_, n: (b, n, h_, 0))
+    tc = _tok_spec(s, C, C, lambda b, h_, n: (b, n, h_, 0))
+    chv = _chk_spec(s, None, K, V, lambda b, h_, n: (b, n, h_, 0))
+    return _call(s, functools.partial(kn.output, s.cfg), grid=(s.B, s.H, s.N), in_specs=[tk, chv, tc, tv],
+                 out_specs=tv, out_shape=jax.ShapeDtypeStruct(_tok_shape(s, V), out_dtype),
+                 semantics=("parallel", "parallel", "parallel"))(qin, h, M, ut)
+
+
+def _state_bwd(s: Spec, M, do, kout, qin, W, dend, dsT):
+    C, K, V, N, bv = s.cfg.chunk, s.K, s.V, s.N, s.bv
+    nv = V // bv
+    out_shape = [jax.ShapeDtypeStruct(_chk_shape(s, K, V), s.state_dtype),  # dh (grad of state after chunk n)
+                 jax.ShapeDtypeStruct(_tok_shape(s, V), s.store_dtype),     # dŨ
+                 jax.ShapeDtypeStruct((s.B, s.H, K, V), F32)]               # dh0
+    if s.target == "gpu":
+        T = N * C
+        fk = _tok_spec(s, T, K, lambda b, h, j: (b, 0, h, 0))
+        fc = _tok_spec(s, T, C, lambda b, h, j: (b, 0, h, 0))
+        fv = _tok_spec(s, T, bv, lambda b, h, j: (b, 0, h, j))
+        fd = _chk_spec(s, N, K, 1, lambda b, h, j: (b, 0, h, 0))
+        st = _state_spec(s, bv, lambda b, h, j: (b, h, j))
+        fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
+        return _call(s, functools.partial(kn.state_bwd_loop, s.cfg, N), grid=(s.B, s.H, nv),
+                     in_specs=[fc, fv, fk, fk, fk, fd, st], out_specs=[fh, fv, st], out_shape=out_shape,
+                     semantics=None, state=True)(M, do, kout, qin, W, dend, dsT)
+    rev = lambda n: N - 1 - n  # noqa: E731
+    ck = _tok_spec(s, C, K, lambda b, h, j, n: (b, rev(n), h, 0))
+    cc = _tok_spec(s, C, C, lambda b, h, j, n: (b, rev(n), h, 0))
+    cv = _tok_spec(s, C, bv, lambda b, h, j, n: (b, rev(n), h, j))
+    cd = _chk_spec(s, None, K, 1, lambda b, h, j, n: (b, rev(n), h, 0))
+    st = _state_spec(s, bv, lambda b, h, j, n: (b, h, j))
+    ch = _chk_spec(s, None, K, bv, lambda b, h, j, n: (b, rev(n), h, j))
+    return _call(s, functools.partial(kn.state_bwd_grid, s.cfg), grid=(s.B, s.H, nv, N),
+                 in_specs=[cc, cv, ck, ck, ck, cd, st], out_specs=[ch, cv, st], out_shape=out_shape,
+                 semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                 scratch=[pltpu.VMEM((K, bv), F32)])(M, do, kout, qin, W, dend, dsT)
+
+
+def _intra_bwd(s: Spec, q, k, v, g, beta, doc, W, U, ut, dut, do, h, dh):
+    C, K, V = s.cfg.chunk, s.K, s.V
+    args, specs = _chunk_inputs(s, q, k, v, g, beta, doc)
+    tk = _tok_spec(s, C, K, lambda b, h_, n: (b, n, h_, 0))
+    tv = _tok_spec(s, C, V, lambda b, h_, n: (b, n, h_, 0))
+    t1 = _tok_spec(s, C, 1, lambda b, h_, n: (b, n, h_, 0))
+    chv = _chk_spec(s, None, K, V, lambda b, h_, n: (b, n, h_, 0))
+    args += [W, U, ut, dut, do, h, dh]
+    specs += [tk, tv, tv, tv, tv, chv, chv]
+    out_shape = [jax.ShapeDtypeStruct(_tok_shape(s, K), q.dtype),
+                 jax.ShapeDtypeStruct(_tok_shape(s, K), k.dtype),
+                 jax.ShapeDtypeStruct(_tok_shape(s, V), v.dtype),
+                 jax.ShapeDtypeStruct(_tok_shape(s, 1), beta.dtype)]
+    out_specs = [tk, tk, tv, t1]
+    if g is not None:
+        out_shape.append(jax.ShapeDtypeStruct(_tok_shape(s, K), g.dtype))
+        out_specs.append(tk)
+    return _call(s, functools.partial(kn.intra_bwd, s.cfg), grid=(s.B, s.H, s.N), in_specs=specs,
+                 out_specs=out_specs, out_shape=out_shape, semantics=("parallel", "parallel", "parallel"))(*args)
+
+
+# ---------------------------------------------------------------------------
+# custom_vjp over the laid-out, padded arrays.
+# ---------------------------------------------------------------------------
+def _forward(s: Spec, q, k, v, g, beta, doc, h0):
+    W, U, M, qin, kout, dend = _intra_fwd(s, q, k, v, g, beta, doc)
+    h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
+    o = _output(s, qin, h, M, ut, q.dtype)
+    return (o, sT), (q, k, v, g, beta, doc, W, U, M, qin, kout, dend, h, ut)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked(s: Spec, q, k, v, g, beta, doc, h0):
+    return _forward(s, q, k, v, g, beta, doc, h0)[0]
+
+
+def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
+    return _forward(s, q, k, v, g, beta, doc, h0)
+
+
+def _chunked_bwd(s, res, cts):
+    q, k, v, g, beta, doc, W, U, M, qin, kout, dend, h, ut = res
+    do, dsT = cts
+    do = do.astype(q.dtype)
+    dh, dut, dh0 = _state_bwd(s, M, do, kout, qin, W, dend, dsT.astype(F32))
+    grads = _intra_bwd(s, q, k, v, g, beta, doc, W, U, ut, dut, do, h, dh)
+    dq, dk, dv, dbeta = grads[:4]
+    dg = grads[4] if g is not None else None
+    ddoc = None if doc is None else jnp.zeros_like(doc)
+    return dq, dk, dv, dg, dbeta, ddoc, dh0
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# ---------------------------------------------------------------------------
+# Public entry points.
+# ---------------------------------------------------------------------------
+def default_target() -> str:
+    return "tpu" if jax.default_backend() == "tpu" else "gpu"
+
+
+def _next_pow2(n):
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _pad_dim(n, target):
+    if target == "tpu":
+        return -(-n // 128) * 128
+    return max(16, _next_pow2(n))
+
+
+def default_chunk(target: str) -> int:
+    """Tokens per chunk. GPU: 32 — two 16-row tiles keep the Triton kernels small (compile
+    time grows steeply with the unrolled tile pairs: ~9 s at 32 vs ~45 s at 64 per config)
+    and registers in range; TPU: 64 (MXU-sized tiles, Mosaic compiles the unrolled code)."""
+    return 64 if target == "tpu" else 32
+
+
+def check_chunk_size(chunk_size) -> None:
+    if not isinstance(chunk_size, int) or chunk_size < 16 or chunk_size % 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"`chunk_size` must be a power of two >= 16 for the Pallas kernels, got {chunk_size!r}")
+
+
+def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
+             bv=None, num_warps=4, num_warps_state=4, state_dtype=None):
+    """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
+    if q.ndim != 4:
+        raise ValueError(f"`q` must be [B, T, H, K], got shape {q.shape}")
+    B, T, H, K0 = q.shape
+    V0 = v.shape[-1]
+    if target is None:
+        target = default_target()
+    if target not in TARGETS:
+        raise ValueError(f"`target` must be one of {TARGETS}, got {target!r}")
+    if chunk_size is None:
+        chunk_size = default_chunk(target)
+    check_chunk_size(chunk_size)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    C = chunk_size
+    N = -(-T // C)
+    Tp = N * C
+    K, V = _pad_dim(K0, target), _pad_dim(V0, target)
+    io_dtype = jnp.result_type(q, k, v)
+    if io_dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        io_dtype = jnp.dtype(jnp.float32)
+    low = io_dtype != jnp.float32
+    if scale is None:
+        scale = K0 ** -0.5
+    if target == "tpu":
+        solve_prec = lax.Precision.HIGHEST  # Mosaic: DEFAULT (one bf16 pass) or HIGHEST
+    else:
+        solve_prec = lax.Precision.DEFAULT if low else lax.Precision.HIGHEST  # DEFAULT = tf32 on Triton
+    cfg = Cfg(chunk=C, gated=gate is not None, docs=segment_ids is not None, scale=float(scale),
+              mm_dtype=io_dtype if low else F32, mm_prec=None if low else lax.Precision.HIGHEST,
+              solve_prec=solve_prec, unroll=(target == "tpu" and not interpret))
+    if bv is None:
+        bv = V if target == "tpu" else min(V, 64)
+    s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
+             store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
+             num_warps=num_warps, num_warps_state=num_warps_state)
+
+    def prep(a, D0, D, dtype):
+        a = a.astype(dtype)
+        a = jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, D - D0)))
+        return a if target == "gpu" else jnp.transpose(a, (0, 2, 1, 3))
+
+    qq = prep(q, K0, K, io_dtype)
+    kk = prep(k, K0, K, io_dtype)
+    vv = prep(v, V0, V, io_dtype)
+    bb = prep(beta[..., None], 1, 1, F32)
+    gg = None
+    if gate == "scalar":
+        gg = prep(jnp.broadcast_to(g[..., None], (B, T, H, K0)), K0, K, F32)
+    elif gate == "channel":
+        gg = prep(g, K0, K, F32)
+    doc = None
+    if segment_ids is not None:
+        seg = jnp.asarray(segment_ids)
+        reset = jnp.concatenate([jnp.zeros((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+        reset = jnp.pad(reset, ((0, 0), (0, Tp - T))).reshape(B, N, C)
+        doc = jnp.cumsum(reset.astype(jnp.int32), axis=-1).astype(F32).reshape(B, Tp, 1, 1)
+        if target == "tpu":
+            doc = jnp.transpose(doc, (0, 2, 1, 3))
+    if initial_state is None:
+        h0 = jnp.zeros((B, H, K, V), F32)
+    else:
+        h0 = jnp.pad(initial_state.astype(F32), ((0, 0), (0, 0), (0, K - K0), (0, V - V0)))
+    return s, (qq, kk, vv, gg, bb, doc, h0)
+
+
+def _delta(q, k, v, g, beta, **kw):
+    B, T, H, K0 = q.shape
+    V0 = v.shape[-1]
+    s, args = _prepare(q, k, v, g, beta, **kw)
+    o, sT = _chunked(s, *args)
+    if s.target == "tpu":
+        o = jnp.transpose(o, (0, 2, 1, 3))
+    o = o[:, :T, :, :V0].astype(jnp.result_type(q, k, v))
+    return o, sT[:, :, :K0, :V0]
+
+
+def _debug_spec(q, k, v, g, beta, **tuning):
+    """``(spec, laid-out args)`` for timing the five kernels one by one (benchmarks)."""
+    return _prepare(q, k, v, g, beta, gate=None if g is None else "channel", scale=None, initial_state=None,
+                    segment_ids=None, chunk_size=None, target="gpu", interpret=None, **tuning)
+
+
+_DOC = """
+
+    Args:
+      q, k: ``[B, T, H, K]`` (keys L2-normalized); v: ``[B, T, H, V]``;
+      beta: ``[B, T, H]``; ``scale`` multiplies q (default ``K**-0.5``);
+      initial_state: ``[B, H, K, V]`` (f32); segment_ids: ``[B, T]`` ints, the
+      state resets where the id changes; chunk_size: a power of two >= 16 (default:
+      :func:`default_chunk` of the target — the result does not depend on it).
+      target: ``"gpu"`` (Triton-lowered kernels) or ``"tpu"`` (Mosaic-lowered
+      kernels); default from ``jax.default_backend()``. interpret: run the kernels
+      in the Pallas interpreter (default: on the CPU).
+    Returns:
+      ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
+    """
+
+
+def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
+                     target=None, interpret=None, **tuning):
+    return _delta(q, k, v, None, beta, gate=None, scale=scale, initial_state=initial_state,
+                  segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret, **tuning)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
+                           target=None, interpret=None, **tuning):
+    return _delta(q, k, v, g, beta, gate="scalar", scale=scale, initial_state=initial_state,
+                  segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret, **tuning)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
+              target=None, interpret=None, **tuning):
+    return _delta(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
+                  segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret, **tuning)
+
+
+chunk_delta_rule.__doc__ = "DeltaNet, ``S_t = (I − β_t k_tᵀk_t) S_{t−1} + β_t k_tᵀv_t``, by Pallas kernels." + _DOC
+chunk_gated_delta_rule.__doc__ = ("Gated DeltaNet (``g [B, T, H]`` log-decay, one scalar per head), by Pallas "
+                                  "kernels (the scalar gate runs through the per-channel kernels)." + _DOC)
+chunk_kda.__doc__ = ("Kimi Delta Attention (``g [B, T, H, K]`` per-channel log-decay: decay, then erase), by "
+                     "Pallas kernels." + _DOC)

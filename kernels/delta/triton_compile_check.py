@@ -1,0 +1,96 @@
+"""Compile every GPU kernel of :mod:`kernels.delta` to cubin on a machine without a GPU.
+
+Device time is scarce; Triton compile failures and compile-time blowups are not. This
+lowers each Pallas kernel to Triton IR (``jax.export`` for ``cuda``, capturing the module
+that Pallas hands to XLA) and compiles it with the ``triton`` package for sm_90, printing
+the compile time per kernel. Needs ``pip install triton==3.6.0`` (the device's version);
+not imported by the package.
+
+    python -m kernels.delta.triton_compile_check --gate kda --docs 1 --dtype bf16 --T 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+
+def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None):
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering as L
+    from jax._src.pallas.triton import pallas_call_registration as R
+
+    from kernels.delta import api
+
+    count = [0]
+    orig = L.lower_jaxpr_to_triton_module
+
+    def hook(jaxpr, grid_mapping, *a, **k):
+        res = orig(jaxpr, grid_mapping, *a, **k)
+        name = jaxpr.debug_info.func_name if jaxpr.debug_info else "kernel"
+        count[0] += 1
+        with open(os.path.join(outdir, f"{count[0]:02d}_{name}.ttir"), "w") as f:
+            f.write(res.module.operation.get_asm(enable_debug_info=False))
+        return res
+
+    R.lowering.lower_jaxpr_to_triton_module = hook
+    try:
+        dt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+        sd = jax.ShapeDtypeStruct
+        args = [sd((B, T, H, K), dt), sd((B, T, H, K), dt), sd((B, T, H, V), dt), sd((B, T, H, K), jnp.float32),
+                sd((B, T, H), dt), sd((B, H, K, V), jnp.float32), sd((B, T), jnp.int32)]
+
+        def f(q, k, v, g, b, S, seg):
+            kw = dict(initial_state=S, segment_ids=seg if docs else None, target="gpu", interpret=False,
+                      chunk_size=chunk_size)
+
+            def loss(q, k, v, g, b, S):
+                o, s = (api.chunk_kda(q, k, v, g, b, **kw) if gate == "kda" else api.chunk_delta_rule(q, k, v, b, **kw))
+                return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+            return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))(q, k, v, g, b, S)
+
+        jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    finally:
+        R.lowering.lower_jaxpr_to_triton_module = orig
+    return count[0]
+
+
+def compile_all(outdir, num_warps=4):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    ok = True
+    for name in sorted(os.listdir(outdir)):
+        if not name.endswith(".ttir"):
+            continue
+        t = time.time()
+        try:
+            k = triton.compile(os.path.join(outdir, name), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": num_warps, "num_stages": 1})
+            print(f"{name:28s} OK   {time.time() - t:6.1f} s  shared={k.metadata.shared}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            print(f"{name:28s} FAIL {time.time() - t:6.1f} s  {str(e)[:800]}", flush=True)
+    return ok
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gate", choices=("kda", "none"), default="kda")
+    ap.add_argument("--docs", type=int, default=0)
+    ap.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    ap.add_argument("--T", type=int, default=8192)
+    ap.add_argument("--chunk_size", type=int, default=None)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as d:
+        n = dump_ttir(d, args.gate, bool(args.docs), args.dtype, 2, args.T, 16, 128, 128, args.chunk_size)
+        print(f"{n} kernels lowered")
+        return 0 if compile_all(d) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
