@@ -32,6 +32,15 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     if args.data is not None:
         base["data"] = args.data
     if args.mesh is not None:
+        sizes = {}
+        for part in filter(None, args.mesh.split(",")):
+            axis, _, value = part.partition("=")
+            if axis.strip() not in ("data", "fsdp", "tensor", "expert") or not value.strip().lstrip("-").isdigit():
+                p.error(f"--mesh: expected axis=size pairs over data, fsdp, tensor, expert; got {part!r}")
+            sizes[axis.strip()] = int(value)
+        if any(v != 1 for v in sizes.values()):
+            p.error("--mesh: sharded training is not wired into this loop yet (lineage_jax.parallel, issue 5); "
+                    "only a single-device mesh (every axis 1) runs today")
         base["mesh"] = args.mesh
     try:
         train_cfg = TrainConfig(**base)

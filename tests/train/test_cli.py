@@ -52,6 +52,8 @@ def test_sampling_filters():
     (["--config", "tiny_gpt2", "--steps", "0", "--workdir", "w"], "steps"),
     (["--config", "tiny_kimi_linear", "--steps", "1", "--workdir", "w", "--set", "top_k=99"], "top_k"),
     (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--data", "mqar", "--set", "seq_len=8"], "seq_len"),
+    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--mesh", "data=2,pipeline=2"], "--mesh"),
+    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--mesh", "data=2"], "not wired"),
 ])
 def test_bad_cli_input_is_a_clear_error(argv, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a wrongly accepted run must not write into the repository
@@ -64,3 +66,13 @@ def test_generate_needs_a_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         G.main(["--workdir", str(tmp_path), "--prompt", "x"])
     assert "no run" in capsys.readouterr().err
+
+
+def test_bf16_compute_with_fp32_master_weights(tmp_path):
+    wd = tmp_path / "bf16"
+    assert train_main(["--config", "tiny_kda", "--steps", "2", "--workdir", str(wd), "--data", "mqar", *SMALL,
+                       "--set", "dtype=bfloat16"]) == 0
+    rec = json.load(open(wd / "config.json"))
+    assert rec["model"]["dtype"] == "bfloat16"
+    losses = [json.loads(l)["loss"] for l in open(wd / "metrics.jsonl") if "loss" in json.loads(l)]
+    assert len(losses) == 2 and all(l == l and l > 0 for l in losses)  # finite, not NaN
