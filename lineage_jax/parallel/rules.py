@@ -1,0 +1,272 @@
+"""One table of rules from logical axis names to mesh axes, for parameters and activations.
+
+Every ``nnx.Param`` carries ``logical_axes`` metadata (``layers/common.py``); a
+``PartitionSpec`` is derived from it, dimension by dimension, with three rules:
+
+1. **Look-up.** Each logical name maps to ``None``, one mesh axis, or a tuple of
+   mesh axes (:data:`DEFAULT_RULES`). An unknown name is an error (a typo, or a new
+   layer whose names need a rule).
+2. **Each mesh axis at most once per array, first dimension wins.** ``("batch", "seq",
+   "embed")`` gives ``P(("data", "fsdp", "expert"), None, None)``: ``embed -> (fsdp,
+   expert)`` gets nothing because ``batch`` already took both. So weights are
+   FSDP-sharded on ``embed`` while activations are batch-sharded, from one table; and a
+   routed-expert weight ``(experts, embed, expert_mlp)`` gives ``P("expert", "fsdp",
+   "tensor")`` while a dense ``(embed, heads, head_dim)`` gives ``P(("fsdp", "expert"),
+   "tensor")`` — for dense weights the expert axis is just more FSDP.
+3. **Divisibility: drop, don't fail (default).** A mesh axis whose size does not
+   divide the dimension is dropped for that dimension (the dimension is replicated
+   over it), e.g. ``tiny`` models' 4 heads on ``tensor=8``. For a tuple of mesh axes,
+   axes are kept left to right while the product still divides. ``strict=True``
+   raises ``ValueError`` instead, naming the parameter, dimension and mesh axis;
+   :func:`sharding_table` reports what was dropped. Mesh axes of size 1 are left out.
+
+The exception is the expert axis of expert-parallel MoE: ``num_experts`` must be
+divisible by the ``expert`` mesh axis (checked by ``parallel.expert``), since experts
+cannot be replicated inside the all-to-all dispatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Mapping, Optional, Sequence, Union
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from lineage_jax.parallel.mesh import MESH_AXES, mesh_shape
+
+MeshAxes = Union[None, str, tuple[str, ...]]
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+DEFAULT_RULES: Rules = (
+    # activations
+    ("batch", ("data", "fsdp", "expert")),   # tokens are split over every axis but tensor
+    ("seq", None),
+    # parameters (and activations carrying the same names)
+    ("embed", ("fsdp", "expert")),   # model width: FSDP (ZeRO-3) for weights; dense weights use the
+                                     # expert axis as more FSDP (expert weights already took it)
+    ("vocab", "tensor"),
+    ("heads", "tensor"),        # tensor parallelism over heads: softmax, KDA/GDN/DeltaNet, MLA
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),          # dense FFN hidden
+    ("experts", "expert"),      # expert parallelism
+    ("expert_mlp", "tensor"),   # routed expert hidden
+    ("latent", ("fsdp", "expert")),  # latent-MoE width (K3): the routed experts' matmul width
+    ("q_lora", ("fsdp", "expert")),      # low-rank inputs of up-projections (MLA, KDA gates): FSDP,
+    ("kv_lora", ("fsdp", "expert")),     # like embed, so [rank, heads, head_dim] is not replicated
+    ("gate_rank", ("fsdp", "expert")),   # when tensor = 1
+    ("rope", None),
+    ("conv", None),
+    ("norm", None),
+    ("layers", None),           # the stacked axis of scanned layer groups
+)
+
+
+def rules_dict(rules: Optional[Rules] = None) -> dict[str, tuple[str, ...]]:
+    """Validate ``rules`` and return ``{logical name: tuple of mesh axes}``."""
+    rules = DEFAULT_RULES if rules is None else rules
+    out: dict[str, tuple[str, ...]] = {}
+    for entry in rules:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise ValueError(f"rules: each rule must be (logical_name, mesh_axes), got {entry!r}")
+        name, axes = entry
+        if name in out:
+            raise ValueError(f"rules: logical axis {name!r} has two rules")
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        for a in axes:
+            if a not in MESH_AXES:
+                raise ValueError(f"rules: logical axis {name!r} maps to unknown mesh axis {a!r}; "
+                                 f"valid: {', '.join(MESH_AXES)}")
+        out[name] = axes
+    return out
+
+
+def _sizes(mesh: Union[Mesh, Mapping[str, int]]) -> dict[str, int]:
+    if isinstance(mesh, Mesh):
+        return mesh_shape(mesh)
+    return {a: int(mesh.get(a, 1)) for a in MESH_AXES}
+
+
+def logical_to_spec(logical_axes: Sequence[Optional[str]], mesh: Union[Mesh, Mapping[str, int]],
+                    rules: Optional[Rules] = None, *, shape: Optional[Sequence[int]] = None,
+                    strict: bool = False, what: str = "array", dropped: Optional[list] = None) -> P:
+    """The ``PartitionSpec`` for an array with ``logical_axes`` on ``mesh`` (see the module docstring).
+
+    Args:
+      logical_axes: one logical name (or ``None``) per dimension.
+      mesh: a ``Mesh`` or a dict of mesh axis sizes.
+      shape: the array's shape; when given, non-dividing mesh axes are dropped (or, with
+        ``strict``, raise ``ValueError``).
+      what: the array's name, for error messages.
+      dropped: if a list, ``(what, dim, logical name, mesh axis)`` is appended for each drop.
+    """
+    table = rules_dict(rules)
+    sizes = _sizes(mesh)
+    if shape is not None and len(shape) != len(logical_axes):
+        raise ValueError(f"logical_to_spec: {what}: logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    spec = []
+    for d, name in enumerate(logical_axes):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"logical_to_spec: {what}: logical axis {name!r} has no rule; "
+                             f"known: {sorted(table)}")
+        kept: list[str] = []
+        for axis in table[name]:
+            size = sizes.get(axis, 1)
+            if axis in used or size == 1:
+                continue
+            if shape is not None and shape[d] % (math.prod(sizes[a] for a in kept) * size):
+                if strict:
+                    raise ValueError(f"logical_to_spec: {what}: dimension {d} ({name!r}, size {shape[d]}) is not "
+                                     f"divisible by mesh axis {axis!r} (size {size})"
+                                     + (f" times {kept}" if kept else ""))
+                if dropped is not None:
+                    dropped.append((what, d, name, axis))
+                continue
+            kept.append(axis)
+            used.add(axis)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
+
+
+# ----------------------------------------------------------------------------- parameters
+def _path_str(path) -> str:
+    parts = []
+    for k in path:
+        parts.append(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
+    return "/".join(parts)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _state_of(tree):
+    if isinstance(tree, nnx.Module):
+        return nnx.state(tree)
+    return tree
+
+
+def state_specs(tree, mesh: Union[Mesh, Mapping[str, int]], rules: Optional[Rules] = None, *,
+                strict: bool = False, dropped: Optional[list] = None):
+    """``PartitionSpec`` per variable of a module (or its ``nnx.State``), same tree structure.
+
+    Variables without ``logical_axes`` metadata are replicated (``P()``).
+    """
+    def one(path, var):
+        axes = var.get_metadata().get("logical_axes")
+        if axes is None:
+            return var.replace(P())
+        return var.replace(logical_to_spec(axes, mesh, rules, shape=var.get_value().shape, strict=strict,
+                                           what=_path_str(path), dropped=dropped))
+
+    return jax.tree_util.tree_map_with_path(one, _state_of(tree), is_leaf=_is_var)
+
+
+def state_shardings(tree, mesh: Mesh, rules: Optional[Rules] = None, *, strict: bool = False):
+    """``NamedSharding`` per variable of a module / ``nnx.State`` (abstract or concrete).
+
+    The result has the state's structure (each ``Variable`` holding a ``NamedSharding``),
+    so it can be passed as ``in_shardings`` / ``out_shardings`` of ``jax.jit``.
+    """
+    specs = state_specs(tree, mesh, rules, strict=strict)
+    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())), specs, is_leaf=_is_var)
+
+
+def sharding_table(config_or_rows, mesh: Union[Mesh, Mapping[str, int]], rules: Optional[Rules] = None,
+                   *, strict: bool = False) -> list[dict]:
+    """Per parameter: ``path, shape, axes, spec, local_shape, size, local_size, dropped``.
+
+    ``config_or_rows`` is a ``ModelConfig``, a config name, or rows of
+    ``lineage_jax.accounting.param_table``. ``local_shape`` is the shard one device holds.
+    """
+    from lineage_jax import accounting
+
+    rows = config_or_rows if isinstance(config_or_rows, list) else accounting.param_table(config_or_rows)
+    sizes = _sizes(mesh)
+    out = []
+    for row in rows:
+        dropped: list = []
+        spec = logical_to_spec(row["axes"], sizes, rules, shape=row["shape"], strict=strict,
+                               what=row["path"], dropped=dropped)
+        local = local_shape(row["shape"], spec, sizes)
+        out.append(dict(row, spec=spec, local_shape=local, local_size=math.prod(local),
+                        dropped=[(d, name, axis) for _, d, name, axis in dropped]))
+    return out
+
+
+def local_shape(shape: Sequence[int], spec: P, mesh: Union[Mesh, Mapping[str, int]]) -> tuple[int, ...]:
+    """The per-device shard shape of an array of ``shape`` laid out by ``spec``."""
+    sizes = _sizes(mesh)
+    out = list(shape)
+    for d, entry in enumerate(spec):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        out[d] = shape[d] // math.prod(sizes[a] for a in axes)
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- activations
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("lineage_jax_logical_sharding", default=None)
+
+
+@contextlib.contextmanager
+def logical_sharding(mesh: Mesh, rules: Optional[Rules] = None):
+    """Within the context (typically: while a jitted function traces),
+    :func:`with_logical_constraint` constrains activations on ``mesh`` with ``rules``."""
+    rules_dict(rules)
+    token = _CURRENT.set((mesh, DEFAULT_RULES if rules is None else rules))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_logical_sharding() -> Optional[tuple[Mesh, Rules]]:
+    """``(mesh, rules)`` of the innermost :func:`logical_sharding` context, or ``None``."""
+    return _CURRENT.get()
+
+
+def with_logical_constraint(x: jax.Array, logical_axes: Sequence[Optional[str]], *,
+                            mesh: Optional[Mesh] = None, rules: Optional[Rules] = None) -> jax.Array:
+    """``jax.lax.with_sharding_constraint`` from logical names, e.g. ``("batch", "seq", "embed")``.
+
+    Uses ``mesh``/``rules`` if given, else those of the enclosing :func:`logical_sharding`;
+    with neither it returns ``x`` unchanged (single-device code runs as is). Mesh axes that
+    do not divide a dimension are dropped.
+    """
+    if mesh is None:
+        current = _CURRENT.get()
+        if current is None:
+            return x
+        mesh, ctx_rules = current
+        rules = ctx_rules if rules is None else rules
+    if len(logical_axes) != x.ndim:
+        raise ValueError(f"with_logical_constraint: `logical_axes` {tuple(logical_axes)} do not match "
+                         f"the array's rank {x.ndim} (shape {tuple(x.shape)})")
+    spec = logical_to_spec(logical_axes, mesh, rules, shape=x.shape, what="activation")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def logical_sharding_of(logical_axes: Sequence[Optional[str]], mesh: Mesh, rules: Optional[Rules] = None,
+                        shape: Optional[Sequence[int]] = None) -> NamedSharding:
+    """A ``NamedSharding`` from logical names (non-dividing axes dropped when ``shape`` is given)."""
+    return NamedSharding(mesh, logical_to_spec(logical_axes, mesh, rules, shape=shape))
+
+
+def mesh_axes_of(name: str, rules: Optional[Rules] = None) -> tuple[str, ...]:
+    """The mesh axes the rule for logical ``name`` maps to."""
+    table = rules_dict(rules)
+    if name not in table:
+        raise ValueError(f"mesh_axes_of: logical axis {name!r} has no rule; known: {sorted(table)}")
+    return table[name]
+
+

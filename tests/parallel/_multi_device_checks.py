@@ -1,0 +1,357 @@
+"""Multi-device checks, run in a fresh process with 8 fake CPU devices.
+
+    python -m tests.parallel._multi_device_checks <case>
+
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be set before JAX
+creates its CPU backend, which a pytest worker may already have done; so
+``test_multi_device.py`` runs this module in a subprocess. Each case prints one
+line ``RESULT {json}`` that the test asserts on; a failed check raises (nonzero exit).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import mmap
+import os
+
+YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"
+
+
+def _jaxlib_knows(flag: str) -> bool:
+    """Whether the installed jaxlib has XLA flag ``flag`` (an unknown flag in XLA_FLAGS is fatal)."""
+    spec = importlib.util.find_spec("jaxlib")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for lib in sorted(glob.glob(os.path.join(folder, "*.so"))):
+            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(flag.encode()) >= 0:
+                    return True
+    return False
+
+
+def _xla_flags() -> str:
+    flags = [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+    # Compile fast, run slow: these programs run once, and LLVM optimisation dominates.
+    for flag, value in (("xla_backend_optimization_level", "0"), ("xla_llvm_disable_expensive_passes", "true")):
+        if _jaxlib_knows(flag):
+            flags.append(f"--{flag}={value}")
+    # XLA:CPU in jaxlib 0.10.2 deadlocks on some multi-device programs (the backward of the
+    # chunked delta rules under fsdp=8) when YNNPACK fusions are on; plain XLA:CPU kernels
+    # do not. Turn them off when this jaxlib has the flag.
+    if _jaxlib_knows(YNN_FLAG):
+        flags.append(f"--{YNN_FLAG}=")
+    return " ".join(f for f in flags if f)
+
+
+os.environ["XLA_FLAGS"] = _xla_flags()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from lineage_jax.layers.moe import MoE  # noqa: E402
+from lineage_jax.models import Decoder, get_config  # noqa: E402
+from lineage_jax.parallel import expert as EP  # noqa: E402
+from lineage_jax.parallel.mesh import make_mesh  # noqa: E402
+from lineage_jax.parallel.rules import state_shardings  # noqa: E402
+from lineage_jax.parallel.sharded import ShardedDecoder, TrainStep, init_sharded, next_token_loss  # noqa: E402
+
+MESHES = {
+    "data=8": {"data": 8},
+    "fsdp=8": {"fsdp": 8},
+    "data=2,expert=4": {"data": 2, "expert": 4},
+    "tensor=2,expert=4": {"tensor": 2, "expert": 4},
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def tree_rel(tree, ref) -> tuple[float, float]:
+    """(max over leaves of the per-leaf relative error, relative error of the whole tree)."""
+    la, lb = jax.tree.leaves(tree), jax.tree.leaves(ref)
+    assert len(la) == len(lb) and la, "gradient trees differ in structure"
+    per_leaf = max(rel(a, b) for a, b in zip(la, lb))
+    num = math.sqrt(sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)) for a, b in zip(la, lb)))
+    den = math.sqrt(sum(float(np.sum(np.asarray(b, np.float64) ** 2)) for b in lb))
+    return per_leaf, num / den
+
+
+def max_abs_diff(tree, ref) -> float:
+    return max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+               for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(ref)))
+
+
+def expect_value_error(fn, *needles) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        msg = str(e)
+        for needle in needles:
+            assert needle in msg, f"ValueError message {msg!r} does not mention {needle!r}"
+        return msg
+    raise AssertionError(f"expected a ValueError mentioning {needles}")
+
+
+# ----------------------------------------------------------------------------- MoE layer
+def _np_expert(z, wg, wu, wd):
+    g, u = z @ wg, z @ wu
+    return (g / (1 + np.exp(-g)) * u) @ wd
+
+
+def _np_capacity_reference(moe, z, idx, w, *, num_shards, ep, cap_factor):
+    """Expected routed output and drop count of the EP capacity rule, in float64 NumPy."""
+    z, idx, w = np.asarray(z, np.float64), np.asarray(idx), np.asarray(w, np.float64)
+    wg, wu, wd = (np.asarray(p[...], np.float64) for p in (moe.w_gate, moe.w_up, moe.w_down))
+    n_tok, k = idx.shape
+    e_loc = moe.num_experts // ep
+    n = n_tok // num_shards
+    cap = max(1, min(n * min(k, e_loc), math.ceil(cap_factor * n * k / ep)))
+    out = np.zeros_like(z)
+    dropped = 0
+    for s in range(num_shards):
+        used = np.zeros(ep, int)
+        for c in range(k):                      # choice-major
+            for t in range(s * n, (s + 1) * n):
+                e = idx[t, c]
+                d = e // e_loc
+                if used[d] < cap:
+                    out[t] += w[t, c] * _np_expert(z[t], wg[e], wu[e], wd[e])
+                else:
+                    dropped += 1
+                used[d] += 1
+    return out, dropped
+
+
+def case_moe() -> dict:
+    res: dict = {}
+    d, B, T = 16, 8, 6
+    moe = MoE(d, num_experts=8, top_k=2, expert_hidden=12, num_shared_experts=1, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (B, T, d))
+
+    def loss(m, x):
+        y, stats = m(x)
+        return jnp.sum(jnp.sin(y)), (y, stats.tokens_dropped)
+
+    ref_grad = jax.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, (y0, _)), (gm0, gx0) = ref_grad(moe, x)
+
+    for name, impls in (("data=2,expert=4", ("dense", "ragged_reference")), ("tensor=2,expert=4", ("dense",)),
+                        ("expert=8", ("ragged_reference",))):
+        mesh = make_mesh(name)
+        for impl in impls:
+            ep = EP.ExpertParallel(mesh, impl=impl)
+
+            def ep_loss(m, x):
+                y, stats = EP.moe_forward(m, x, ep)
+                return jnp.sum(jnp.sin(y)), (y, stats.tokens_dropped)
+
+            f = jax.jit(nnx.value_and_grad(ep_loss, argnums=(0, 1), has_aux=True))
+            text = f.lower(moe, x).as_text()
+            (_, (y, dropped)), (gm, gx) = f(moe, x)
+            res[f"{name}/{impl}"] = dict(
+                y_rel=rel(y, y0), gx_rel=rel(gx, gx0), gw_rel=tree_rel(gm, gm0)[0], dropped=int(dropped),
+                all_to_all_ops=text.count("all_to_all"))
+
+    # capacity: drops counted per (source, destination shard), kept rows exact
+    mesh = make_mesh("data=2,expert=4")
+    idx, w, _ = jax.jit(lambda x: moe.route(x))(x)
+    z = x.reshape(-1, d)
+    for impl in ("dense", "ragged_reference"):
+        for cf in ((0.5, 1.0) if impl == "dense" else (0.5,)):
+            ep = EP.ExpertParallel(mesh, impl=impl, capacity_factor=cf)
+            routed, dropped = jax.jit(lambda z, i, w: EP.expert_parallel_experts(moe, z, i, w, ep, cf))(z, idx, w)
+            ref, ref_dropped = _np_capacity_reference(moe, z, idx, w, num_shards=8, ep=4, cap_factor=cf)
+            res[f"capacity/{impl}/{cf}"] = dict(dropped=int(dropped), expected_dropped=ref_dropped,
+                                                 routed_rel=rel(routed, ref))
+
+    # errors
+    res["error_experts"] = expect_value_error(
+        lambda: jax.jit(lambda x: EP.moe_forward(MoE(d, num_experts=6, top_k=2, expert_hidden=8, rngs=nnx.Rngs(0)),
+                                                 x, EP.ExpertParallel(mesh)))(x),
+        "num_experts", "6", "expert")
+    res["error_tokens"] = expect_value_error(
+        lambda: jax.jit(lambda x: EP.moe_forward(moe, x, EP.ExpertParallel(mesh)))(x[:3, :1]), "expert", "tokens")
+    res["error_mesh"] = expect_value_error(lambda: make_mesh({"data": 4, "expert": 4}), "mesh", "16", "8")
+    res["error_mesh_rest"] = expect_value_error(lambda: make_mesh({"data": -1, "expert": 3}), "mesh", "8")
+    return res
+
+
+# ----------------------------------------------------------------------------- whole model
+def small_moe_config():
+    """tiny_kimi_linear's MoE (8 experts, top-2, a shared expert) on a 'KMKM' stack: one
+    scanned group of two KDA+MLA macrocycles (so parameters carry the 'layers' axis)."""
+    return get_config("tiny_kimi_linear").replace(pattern="KMKM", first_dense_layers=0, attnres_block=0)
+
+
+def _spec_str(arr) -> str:
+    return str(arr.sharding.spec)
+
+
+def _baseline(cfg, batch):
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    graphdef = nnx.graphdef(abstract)
+
+    def lf(params, rest):
+        return next_token_loss(nnx.merge(graphdef, params, rest), batch)[0]
+
+    return graphdef, jax.jit(jax.value_and_grad(lf))
+
+
+def check_model_meshes(cfg, meshes, *, born_sharded_mesh: str, step_mesh: str = None,
+                       fp64_reference: bool = False) -> dict:
+    """Loss and gradients of ``cfg`` on each mesh against one device (same parameters).
+
+    With ``fp64_reference``, also the distance of every float32 gradient (one device and
+    each mesh) from a float64 one-device gradient: for models whose float32 gradients are
+    themselves ~1e-4 from the exact ones, that is the fair yardstick for sharding."""
+    res: dict = {"meshes": {}}
+    host_grads = {}
+    tokens = jax.random.randint(jax.random.key(0), (8, 16), 0, cfg.vocab_size)
+    batch = {"tokens": tokens}
+    t0 = time.time()
+
+    # born sharded on one mesh; its values are the reference parameters
+    mesh = make_mesh(MESHES[born_sharded_mesh])
+    model = init_sharded(cfg, mesh)
+    state = nnx.state(model)
+    ref_state = jax.device_put(state, jax.devices()[0])
+    graphdef, ref_fn = _baseline(cfg, batch)
+    _, p0, r0 = nnx.split(nnx.merge(graphdef, ref_state), nnx.Param, ...)
+    loss0, grads0 = ref_fn(p0, r0)
+    res["born_sharded"] = born_sharded_mesh
+    res["reference_seconds"] = round(time.time() - t0, 1)
+
+    for name in meshes:
+        t = time.time()
+        mesh = make_mesh(MESHES[name])
+        m = model if name == born_sharded_mesh else nnx.merge(graphdef, jax.device_put(ref_state, state_shardings(ref_state, mesh)))
+        trainer = TrainStep(m, mesh, optax.adamw(1e-3))
+        st = trainer.init(m)
+        loss, metrics, grads = trainer.loss_and_grad(st, trainer.shard_batch(batch))
+        log(f"{name}: loss and gradients dispatched")
+        per_leaf, whole = tree_rel(grads, grads0)
+        log(f"{name}: compared")
+        if fp64_reference:
+            host_grads[name] = jax.tree.map(np.asarray, grads)
+        g_idx, j_idx, first_moe = m.moe_layers()[0]
+        stacked = first_moe.w_gate[...]
+        embed = m.embed[...]
+        out = dict(loss=float(loss), loss_ref=float(loss0), loss_rel=abs(float(loss) - float(loss0)) / abs(float(loss0)),
+                   grad_rel_max_leaf=per_leaf, grad_rel=whole, tokens_dropped=int(metrics["tokens_dropped"]),
+                   expert_parallel=trainer.expert_parallel is not None,
+                   w_gate_shape=list(stacked.shape), w_gate_spec=_spec_str(stacked),
+                   w_gate_shards=sorted({tuple(s.data.shape) for s in stacked.addressable_shards}),
+                   embed_shape=list(embed.shape), embed_spec=_spec_str(embed),
+                   embed_shards=sorted({tuple(s.data.shape) for s in embed.addressable_shards}),
+                   grad_w_gate_spec=_spec_str(grads["groups"][g_idx]["blocks"][j_idx]["ffn"]["w_gate"][...]))
+        if name == step_mesh:
+            # The optimizer update on the mesh == optax on one device, with the same gradients.
+            tx = optax.adamw(1e-3)
+            g_host = jax.device_put(grads, jax.devices()[0])
+            upd, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(g_host, p0)
+            expected = jax.jit(optax.apply_updates)(p0, upd)
+            new = trainer.apply_gradients(trainer.init(m), grads)
+            diff = max_abs_diff(new.params, expected)
+            moved = max_abs_diff(new.params, p0)
+            stepped, step_metrics = trainer(trainer.init(m), trainer.shard_batch(batch))   # the fused call
+            out["step"] = dict(step=int(stepped.step), loss=float(step_metrics["loss"]), param_max_abs_diff=diff,
+                               param_max_move=moved, call_vs_apply=max_abs_diff(stepped.params, new.params),
+                               grad_norm=float(step_metrics["grad_norm"]),
+                               opt_mu_spec=_spec_str(stepped.opt_state[0].mu["groups"][g_idx]["blocks"][j_idx]["ffn"]["w_gate"][...]))
+        out["seconds"] = round(time.time() - t, 1)
+        res["meshes"][name] = out
+    if fp64_reference:
+        jax.config.update("jax_enable_x64", True)
+        try:
+            to64 = lambda tree: jax.tree.map(
+                lambda a: np.asarray(a, np.float64) if np.issubdtype(np.asarray(a).dtype, np.floating) else np.asarray(a), tree)
+            loss64 = lambda p, r: next_token_loss(nnx.merge(graphdef, p, r), batch)[0]
+            _, g64 = jax.jit(jax.value_and_grad(loss64))(to64(p0), to64(r0))
+            res["fp64"] = {"one_device": tree_rel(grads0, g64)[1]}
+            for name, g in host_grads.items():
+                res["fp64"][name] = tree_rel(g, g64)[1]
+        finally:
+            jax.config.update("jax_enable_x64", False)
+    return res
+
+
+def case_model() -> dict:
+    return check_model_meshes(small_moe_config(), list(MESHES), born_sharded_mesh="tensor=2,expert=4",
+                              step_mesh="data=2,expert=4")
+
+
+def case_kimi_linear() -> dict:
+    cfg = get_config("tiny_kimi_linear")
+    res = check_model_meshes(cfg, ["data=2,expert=4", "fsdp=8"], born_sharded_mesh="data=2,expert=4",
+                             fp64_reference=True)
+    # The train step refuses experts that do not divide over the expert axis.
+    mesh = make_mesh({"data": 2, "expert": 4})
+    odd = init_sharded(cfg.replace(num_experts=6), mesh)
+    res["error_experts"] = expect_value_error(lambda: TrainStep(odd, mesh), "num_experts", "6")
+    return res
+
+
+def case_decode() -> dict:
+    cfg = small_moe_config()
+    res: dict = {}
+    B, T = 8, 6
+    prompt = jax.random.randint(jax.random.key(2), (B, T), 0, cfg.vocab_size)
+    nxt = jax.random.randint(jax.random.key(3), (B,), 0, cfg.vocab_size)
+    born = {}
+    for name in ("data=2,expert=4", "tensor=2,expert=4"):
+        mesh = make_mesh(MESHES[name])
+        model = init_sharded(cfg, mesh)
+        born[name] = jax.tree.map(np.asarray, nnx.state(model))
+        dec = ShardedDecoder(model, mesh, batch_size=B, max_len=16)
+        state = nnx.state(model)
+        cache = dec.init_cache()
+        logits_p, cache = dec.prefill(state, prompt, cache)
+        logits_d, cache = dec.decode(state, nxt, cache)
+        if not res:    # one-device reference (initialisation is mesh-independent: checked below)
+            ref = nnx.merge(nnx.graphdef(model), jax.device_put(state, jax.devices()[0]))
+            ref_p, ref_cache = jax.jit(lambda t: ref.prefill(t, ref.init_cache(B, 16)))(prompt)
+            ref_d, _ = jax.jit(lambda t, c: ref.decode(t, c))(nxt, ref_cache)
+        leaf = jax.tree.leaves(cache.layers)[0]
+        res[name] = dict(prefill_rel=rel(logits_p, ref_p), decode_rel=rel(logits_d, ref_d),
+                         expert_parallel=dec.expert_parallel is not None, cache_spec=_spec_str(leaf),
+                         cache_shards=sorted({tuple(s.data.shape) for s in leaf.addressable_shards}),
+                         cache_shape=list(leaf.shape), length=np.asarray(cache.length).tolist())
+    # Born-sharded initialisation does not depend on the mesh (same seed, same values).
+    res["init_max_abs_diff_between_meshes"] = max_abs_diff(born["data=2,expert=4"], born["tensor=2,expert=4"])
+    return res
+
+
+CASES = {"moe": case_moe, "model": case_model, "kimi_linear": case_kimi_linear, "decode": case_decode}
+
+
+def main(argv) -> int:
+    if len(argv) != 1 or argv[0] not in CASES:
+        print(f"usage: python -m tests.parallel._multi_device_checks {{{'|'.join(CASES)}}}", file=sys.stderr)
+        return 2
+    assert jax.device_count() == 8, f"expected 8 fake CPU devices, got {jax.devices()}"
+    t = time.time()
+    log(f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}")
+    with jax.default_matmul_precision("highest"):
+        res = CASES[argv[0]]()
+    res["seconds_total"] = round(time.time() - t, 1)
+    print("RESULT " + json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
