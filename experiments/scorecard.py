@@ -28,17 +28,13 @@ import dataclasses
 import time
 from typing import Optional
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from experiments import common as C
+from experiments import trainer as T
 from lineage_jax import accounting
 from lineage_jax import data as D
-from lineage_jax.models import Decoder, ModelConfig
-from lineage_jax.train.config import TrainConfig
-from lineage_jax.train.step import init_state, make_train_step
+from lineage_jax.models import ModelConfig
 
 NAME = "scorecard"
 PROBES = ("mqar", "overwrite", "fade", "mixed_half_lives")
@@ -113,19 +109,6 @@ def memory_per_layer(pattern: str, context: int) -> float:
     return total / ref.num_layers
 
 
-class ProbeMixture:
-    """Random access over the four probes, interleaved (example ``i`` is probe ``i % 4``)."""
-
-    def __init__(self, tasks):
-        self.tasks = tasks
-
-    def __len__(self):
-        return min(len(t) for t in self.tasks) * len(self.tasks)
-
-    def __getitem__(self, i):
-        return self.tasks[int(i) % len(self.tasks)][int(i) // len(self.tasks)]
-
-
 def make_probes(b: Budget, seed: int):
     kw = dict(vocab_size=b.vocab, seq_len=b.seq_len, seed=seed)
     return {
@@ -134,54 +117,6 @@ def make_probes(b: Budget, seed: int):
         "fade": D.get_task("fade", num_facts=b.num_facts, **kw),
         "mixed_half_lives": D.get_task("mixed_half_lives", num_facts=max(2, b.num_facts // 2), **kw),
     }
-
-
-def evaluate(model: Decoder, task, n: int, batch: int) -> float:
-    forward = nnx.jit(lambda m, t: m(t))
-    correct = total = 0.0
-    for start in range(0, n, batch):
-        rows = [task[i] for i in range(start, min(start + batch, n))]
-        tokens = jnp.asarray(np.stack([r["tokens"] for r in rows]))
-        pred = np.asarray(jnp.argmax(forward(model, tokens), axis=-1))
-        targets = np.stack([r["targets"] for r in rows])
-        mask = np.stack([r["mask"] for r in rows])
-        correct += float(np.sum((pred == targets) * mask))
-        total += float(np.sum(mask))
-    return correct / max(total, 1.0)
-
-
-def decode_ms_per_token(model: Decoder, b: Budget, seed: int) -> float:
-    ctx = jax.random.randint(jax.random.key(seed), (1, b.decode_context), 2, b.vocab)
-    cache = model.init_cache(1, b.decode_context + b.decode_tokens + 1)
-    _, cache = nnx.jit(lambda m, t, c: m.prefill(t, c))(model, ctx, cache)
-    step = nnx.jit(lambda m, t, c: m.decode(t, c))
-    tok = jnp.zeros((1,), jnp.int32)
-    logits, cache = step(model, tok, cache)  # compile
-    jax.block_until_ready(logits)
-    times = []
-    for _ in range(b.decode_tokens):
-        t0 = time.perf_counter()
-        logits, cache = step(model, tok, cache)
-        jax.block_until_ready(logits)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
-
-
-def train_one(cfg: ModelConfig, b: Budget, seed: int, bar) -> tuple[Decoder, list[float]]:
-    tc = TrainConfig(config="custom", steps=b.steps, batch_size=b.batch, seq_len=b.seq_len, lr=b.lr,
-                     warmup_steps=max(1, b.steps // 20), seed=seed)
-    graphdef, state, tx = init_state(cfg, tc)
-    step = jax.jit(make_train_step(graphdef, tx, tc), donate_argnums=(0,))
-    mixture = ProbeMixture(list(make_probes(b, seed).values()))
-    batches = D.make_batches(mixture, seq_len=b.seq_len, batch_size=b.batch, seed=seed)
-    losses = []
-    for i in range(b.steps):
-        state, metrics = step(state, next(batches))
-        if (i + 1) % max(1, b.steps // 10) == 0 or i + 1 == b.steps:
-            losses.append(float(metrics["loss"]))
-            bar.set_postfix(arch=cfg.name[:18], loss=f"{losses[-1]:.3f}")
-        bar.update(1)
-    return nnx.merge(graphdef, state.params, state.rest), losses
 
 
 def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optional[int] = None,
@@ -203,17 +138,19 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     for label, pattern, extra in archs:
         cfg = model_config(label, pattern, extra, b)
         t0 = time.perf_counter()
-        model, losses = train_one(cfg, b, seed, bar)
+        mixture = T.Mixture(list(make_probes(b, seed).values()))
+        model, losses = T.train_model(cfg, mixture, steps=b.steps, batch=b.batch, seq_len=b.seq_len, lr=b.lr,
+                                      seed=seed, bar=bar)
         train_s = time.perf_counter() - t0
         held_out = make_probes(b, seed + 1_000_003)
-        acc = {p: evaluate(model, held_out[p], b.eval_sequences, b.batch) for p in PROBES}
+        acc = {p: T.accuracy(model, held_out[p], b.eval_sequences, b.batch) for p in PROBES}
         rows.append({
             "architecture": label, "pattern": pattern,
             "params": accounting.param_counts(cfg)["total"],
             "memory_per_layer_1k": memory_per_layer(pattern, 1 << 10),
             "memory_per_layer_1m": memory_per_layer(pattern, 1 << 20),
             "accuracy": acc, "final_loss": losses[-1], "loss_curve": losses, "train_s": train_s,
-            "decode_ms_per_token": decode_ms_per_token(model, b, seed),
+            "decode_ms_per_token": T.decode_ms_per_token(model, b.vocab, b.decode_context, b.decode_tokens, seed=seed),
         })
     bar.close()
     record["rows"] = rows
@@ -266,10 +203,11 @@ def table(record: dict) -> str:
     headers = ["architecture", "mem/layer 1K", "mem/layer 1M", *[PROBE_LABELS[p] for p in PROBES], "decode ms/tok"]
     b = record["budget"]
     title = (f"Scorecard ({'quick' if record['quick'] else 'full'}: d={b['d_model']}, 4 layers, {b['steps']} steps × "
-             f"{b['batch']} × {b['seq_len']} tokens; device {record['device'].get('kind', record['device'])})")
+             f"{b['batch']} × {b['seq_len']} tokens; device {record['device']['description']})")
     lines = [C.format_table(headers, rows, title), "", "Seeds' predictions (fails = below the probe's median):"]
     for p, names in record["prediction_check"].items():
         verdict = ", ".join(f"{n}: {v['accuracy']:.2f} ({'yes' if v['below_median'] else 'NO'})" for n, v in names.items())
+        verdict = verdict or "(the predicted failures were not run)"
         lines.append(f"  {PROBE_LABELS[p]:>16}: {verdict}")
     return "\n".join(lines)
 
