@@ -159,6 +159,17 @@ def resolve_expert_parallel(model: nnx.Module, mesh: Mesh, rules: Optional[Rules
 
 
 # ----------------------------------------------------------------------------- training
+def optimizer_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh: Mesh):
+    """Shardings of ``tx.init(params)``: every per-parameter buffer (Adam moments, Muon
+    momentum) laid out like its parameter, everything else (counts, scalars) replicated.
+    ``params`` may be abstract."""
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(tx.init, params)
+    return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
+                                 transform_non_params=lambda _: replicated,
+                                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 class TrainState(NamedTuple):
     step: Array
     params: nnx.State      # the nnx.Param variables
@@ -198,10 +209,7 @@ class TrainStep:
         self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         replicated = NamedSharding(mesh, P())
         param_sh = state_shardings(params, mesh, rules)
-        abstract_opt = jax.eval_shape(self.tx.init, params)
-        opt_sh = optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, param_sh,
-                                       transform_non_params=lambda _: replicated,
-                                       is_leaf=lambda x: isinstance(x, nnx.Variable))
+        opt_sh = optimizer_shardings(self.tx, params, param_sh, mesh)
         rest_sh = state_shardings(rest, mesh, rules)
         self.state_shardings = TrainState(replicated, param_sh, opt_sh, rest_sh)
         # Two jitted phases (one compile of forward + backward serves both `loss_and_grad`

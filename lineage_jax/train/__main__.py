@@ -10,9 +10,11 @@ import sys
 from typing import Optional
 
 from lineage_jax.models import config_names, get_config
+from lineage_jax.parallel import maybe_initialize_distributed, parse_mesh_spec
 from lineage_jax.train.config import TrainConfig, apply_overrides
 from lineage_jax.train.inputs import make_data
 from lineage_jax.train.loop import train
+from lineage_jax.train.step import make_parallel
 
 
 def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
@@ -22,7 +24,9 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     p.add_argument("--workdir", required=True)
     p.add_argument("--data", default=None, help="'stdlib' (default), a directory of text files, or a task "
                                                 "(mqar, niah, overwrite, fade, mixed_half_lives)")
-    p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,fsdp=1,tensor=1,expert=4 (axes left out are 1)")
+    p.add_argument("--mesh", default=None,
+                   help="device mesh over all devices of all processes, e.g. data=2,fsdp=1,tensor=1,expert=4 "
+                        "(axes left out are 1; one axis may be -1 = the rest); --set batch_size is the global batch")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a TrainConfig or ModelConfig field (repeatable), e.g. --set lr=1e-3 --set d_model=128")
     args = p.parse_args(argv)
@@ -32,15 +36,10 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     if args.data is not None:
         base["data"] = args.data
     if args.mesh is not None:
-        sizes = {}
-        for part in filter(None, args.mesh.split(",")):
-            axis, _, value = part.partition("=")
-            if axis.strip() not in ("data", "fsdp", "tensor", "expert") or not value.strip().lstrip("-").isdigit():
-                p.error(f"--mesh: expected axis=size pairs over data, fsdp, tensor, expert; got {part!r}")
-            sizes[axis.strip()] = int(value)
-        if any(v != 1 for v in sizes.values()):
-            p.error("--mesh: sharded training is not wired into this loop yet (lineage_jax.parallel, issue 5); "
-                    "only a single-device mesh (every axis 1) runs today")
+        try:
+            parse_mesh_spec(args.mesh)
+        except ValueError as e:
+            p.error(f"--mesh {args.mesh!r}: {e}")
         base["mesh"] = args.mesh
     try:
         train_cfg = TrainConfig(**base)
@@ -50,13 +49,22 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     return train_cfg, model_cfg
 
 
+def _fail(msg: str) -> None:
+    print(f"python -m lineage_jax.train: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     train_cfg, model_cfg = parse(argv)
+    maybe_initialize_distributed()  # multi-host (TPU VM slices, SLURM, JAX_* env); no-op on one host
     try:
         data = make_data(train_cfg, model_cfg)
     except ValueError as e:
-        print(f"python -m lineage_jax.train: error: --data {train_cfg.data}: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _fail(f"--data {train_cfg.data}: {e}")
+    try:
+        make_parallel(model_cfg, train_cfg.mesh, batch_size=train_cfg.batch_size)  # fail before any work
+    except ValueError as e:
+        _fail(f"--mesh: {e}")
     out = train(train_cfg, model_cfg, data)
     ev = out["eval"]
     msg = f"step {out['step']}: loss {out['metrics'].get('loss', float('nan')):.4f}"

@@ -17,7 +17,12 @@ from lineage_jax.train.config import TrainConfig
 
 
 def make_data(train_cfg: TrainConfig, model_cfg: ModelConfig):
+    """``TrainConfig.batch_size`` is the global batch; each of the ``jax.process_count()``
+    processes reads its own disjoint shard and ``batch_size / process_count`` rows a step."""
     shard = dict(shard_index=jax.process_index(), shard_count=jax.process_count())
+    if train_cfg.batch_size % jax.process_count():
+        raise ValueError(f"batch_size={train_cfg.batch_size} must be divisible by the {jax.process_count()} processes")
+    batch_size = train_cfg.batch_size // jax.process_count()
     if train_cfg.data in D.TASKS:
         kwargs = {"seq_len": train_cfg.seq_len}
         if train_cfg.data == "niah":
@@ -27,7 +32,7 @@ def make_data(train_cfg: TrainConfig, model_cfg: ModelConfig):
 
         def task_data(split: str):
             task = D.get_task(train_cfg.data, seed=train_cfg.seed + (0 if split == "train" else 10_007), **kwargs)
-            return D.make_batches(task, seq_len=train_cfg.seq_len, batch_size=train_cfg.batch_size,
+            return D.make_batches(task, seq_len=train_cfg.seq_len, batch_size=batch_size,
                                   seed=train_cfg.seed, **shard)
 
         task_data("train")  # build once now: bad task settings fail before training starts
@@ -47,7 +52,7 @@ def make_data(train_cfg: TrainConfig, model_cfg: ModelConfig):
         return D.tokenize_corpus(D.load_corpus(train_cfg.data, split), tok)
 
     def text_data(split: str):
-        return D.make_batches(corpus(split), seq_len=train_cfg.seq_len, batch_size=train_cfg.batch_size,
+        return D.make_batches(corpus(split), seq_len=train_cfg.seq_len, batch_size=batch_size,
                               seed=train_cfg.seed, shuffle=split == "train", **shard)
 
     return text_data

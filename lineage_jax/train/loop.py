@@ -23,7 +23,7 @@ from lineage_jax import accounting
 from lineage_jax.models import ModelConfig
 from lineage_jax.train.checkpoint import Checkpointer
 from lineage_jax.train.config import TrainConfig
-from lineage_jax.train.step import init_state, make_eval_step, make_train_step
+from lineage_jax.train.step import init_state, jit_steps, make_parallel
 
 # Dense bf16 peak FLOP/s by device kind, for MFU (None: unknown -> MFU not reported).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12, "TPU v5e": 197e12, "TPU v6e": 918e12,
@@ -86,14 +86,14 @@ def _trim_metrics(path: str, last_step: int) -> None:
         f.writelines(lines)
 
 
-def evaluate(eval_step, state, batches: Iterator[dict], n: int) -> dict[str, float]:
+def evaluate(eval_step, state, batches: Iterator[dict], n: int, put: Callable = lambda b: b) -> dict[str, float]:
     losses, accs = [], []
     for _ in range(n):
         try:
             batch = next(batches)
         except StopIteration:
             break
-        m = eval_step(state, batch)
+        m = eval_step(state, put(batch))
         losses.append(float(m["loss"]))
         accs.append(float(m["accuracy"]))
     if not losses:
@@ -108,8 +108,13 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
 
     Args:
       data: ``data(split)`` for split "train" / "val" returns an iterator of batch dicts
-        (``tokens``, ``targets``, ``segment_ids``, ``mask``); the train iterator must
-        have ``get_state() -> JSON-able`` and ``set_state(state)``.
+        (``tokens``, ``targets``, ``segment_ids``, ``mask``) holding this process's rows;
+        the train iterator must have ``get_state() -> JSON-able`` and ``set_state(state)``.
+
+    ``train_cfg.mesh`` (e.g. ``"data=2,expert=4"``) runs the same step sharded over the
+    devices (``lineage_jax.train.step.make_parallel``): parameters and optimizer state
+    born sharded, batches split over the batch mesh axes, MoE expert-parallel. Checkpoints
+    are saved and restored in those shardings.
     Returns:
       a summary with the final step, last metrics and evaluation.
     """
@@ -118,7 +123,12 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
     workdir = os.path.abspath(train_cfg.workdir)
     os.makedirs(workdir, exist_ok=True)
     _write_configs(workdir, train_cfg, model_cfg)
-    graphdef, state, tx = init_state(model_cfg, train_cfg)
+    parallel = make_parallel(model_cfg, train_cfg.mesh, batch_size=train_cfg.batch_size)
+    put = parallel.shard_batch if parallel is not None else (lambda b: b)
+    graphdef, state, tx = init_state(model_cfg, train_cfg, parallel)
+    if parallel is not None:
+        log(f"mesh {dict(parallel.mesh.shape)} over {parallel.mesh.size} devices"
+            + (" (expert-parallel MoE)" if parallel.expert_parallel is not None else ""))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=train_cfg.keep_checkpoints)
     try:
         train_iter = data("train")
@@ -131,9 +141,8 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
         metrics_path = os.path.join(workdir, "metrics.jsonl")
         _trim_metrics(metrics_path, start)
 
-        train_step = jax.jit(make_train_step(graphdef, tx, train_cfg), donate_argnums=(0,))
-        eval_step = jax.jit(make_eval_step(graphdef))
-        tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
+        train_step, eval_step = jit_steps(graphdef, tx, train_cfg, state, parallel)
+        tokens_per_step = train_cfg.batch_size * train_cfg.seq_len  # the global batch
         flops_per_step = 3 * accounting.flops_per_token(model_cfg, train_cfg.seq_len) * tokens_per_step
         peak = peak_flops()
 
@@ -150,7 +159,7 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
         stopped = False
         with _Preemption() as preempt, open(metrics_path, "a") as mfile:
             for step in range(start, train_cfg.steps):
-                batch = next(train_iter)
+                batch = put(next(train_iter))
                 state, metrics = train_step(state, batch)
                 done = step + 1
                 if done % train_cfg.log_every == 0 or done == train_cfg.steps or preempt.requested:
@@ -173,7 +182,7 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
                     bar.set_postfix(post)
                 bar.update(1)
                 if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.steps:
-                    evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches)
+                    evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches, put)
                     mfile.write(json.dumps({"step": done, **evaluation}) + "\n")
                 if done % train_cfg.save_every == 0 or done == train_cfg.steps or preempt.requested:
                     ckpt.save(done, state, train_iter.get_state(), force=True)
@@ -182,7 +191,7 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
                     stopped = True
                     break
             if not stopped and int(state.step) == train_cfg.steps:
-                evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches)
+                evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches, put)
                 if evaluation:
                     mfile.write(json.dumps({"step": int(state.step), **evaluation}) + "\n")
                     if writer is not None:

@@ -336,7 +336,62 @@ def case_decode() -> dict:
     return res
 
 
-CASES = {"moe": case_moe, "model": case_model, "kimi_linear": case_kimi_linear, "decode": case_decode}
+def case_train_loop() -> dict:
+    """``lineage_jax.train.loop.train`` with ``TrainConfig.mesh``: the CLI's training, sharded.
+
+    A 4-step single-device run is the reference; a data=2×expert=4 run is preempted after
+    2 steps (the checkpoint is saved and restored in the sharded layout) and resumed; a
+    tensor=2×fsdp=4 run goes straight through. Per-step losses must match.
+    """
+    import tempfile
+
+    from lineage_jax.train.config import TrainConfig
+    from lineage_jax.train.loop import train
+    from lineage_jax.train.step import make_parallel
+    from tests.train.fake_data import factory
+    from tests.train.test_loop import _Wrap
+
+    cfg = small_moe_config().replace(vocab_size=64, max_seq_len=64)
+    res: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(mesh: str, steps: int, workdir: str, kill_at=None) -> dict:
+            tc = TrainConfig(config="tiny_kimi_linear", steps=steps, batch_size=8, seq_len=16, lr=1e-3,
+                             warmup_steps=0, log_every=1, save_every=2, mesh=mesh, workdir=os.path.join(tmp, workdir),
+                             progress=False, eval_batches=1)
+            data = factory(tc, cfg)
+            out = train(tc, cfg, lambda split: _Wrap(data(split), kill_at if split == "train" else None), log=log)
+            lines = [json.loads(l) for l in open(os.path.join(tc.workdir, "metrics.jsonl"))]
+            out["losses"] = [l["loss"] for l in lines if "loss" in l]
+            return out
+
+        t0 = time.time()
+        ref = run("", 4, "ref")
+        log(f"single device: {time.time() - t0:.1f}s")
+        for mesh in ("data=2,expert=4", "tensor=2,fsdp=4"):
+            t0 = time.time()
+            workdir = mesh.replace(",", "_").replace("=", "")
+            if mesh == "data=2,expert=4":
+                first = run(mesh, 4, workdir, kill_at=2)  # SIGTERM while step 2 runs: saved, stopped ...
+                assert first["preempted"] and first["step"] == 2, first
+                res.setdefault(mesh, {})["preempted_at"] = first["step"]
+            out = run(mesh, 4, workdir)  # ... the same command again resumes from the sharded checkpoint
+            res[mesh] = dict(res.get(mesh, {}), losses=out["losses"], ref_losses=ref["losses"],
+                             first_loss_rel=abs(out["losses"][0] - ref["losses"][0]) / ref["losses"][0],
+                             loss_rel=max(abs(a - b) / abs(b) for a, b in zip(out["losses"], ref["losses"])),
+                             val_loss_rel=abs(out["eval"]["val_loss"] - ref["eval"]["val_loss"]) / ref["eval"]["val_loss"],
+                             step=out["step"], seconds=round(time.time() - t0, 1))
+            log(f"{mesh}: {res[mesh]}")
+    res["error_batch"] = expect_value_error(
+        lambda: make_parallel(cfg, "data=8", batch_size=12), "batch_size=12", "8")
+    res["error_experts"] = expect_value_error(
+        lambda: make_parallel(cfg.replace(num_experts=6), "data=2,expert=4"), "num_experts", "6")
+    res["error_devices"] = expect_value_error(lambda: make_parallel(cfg, "data=16"), "16 devices")
+    res["dense_expert_axis_is_fsdp"] = make_parallel(get_config("tiny_kda"), "expert=8").expert_parallel is None
+    return res
+
+
+CASES = {"moe": case_moe, "model": case_model, "kimi_linear": case_kimi_linear, "decode": case_decode,
+         "train_loop": case_train_loop}
 
 
 def main(argv) -> int:

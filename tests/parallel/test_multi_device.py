@@ -104,3 +104,19 @@ def test_tiny_kimi_linear_sharded():
     assert res["meshes"]["data=2,expert=4"]["w_gate_shards"] == [[2, 64, 32]]
     assert res["meshes"]["fsdp=8"]["embed_shards"] == [[256, 8]]
     assert "num_experts" in res["error_experts"]
+
+
+def test_train_loop_on_a_mesh_matches_one_device_and_resumes():
+    """The train loop with TrainConfig.mesh (the CLI's --mesh): expert-parallel and tensor×FSDP
+    runs equal one device per step, and a SIGTERM-preempted sharded run resumes exactly."""
+    res = run_case("train_loop")
+    for mesh in ("data=2,expert=4", "tensor=2,fsdp=4"):
+        r = res[mesh]
+        assert r["step"] == 4 and len(r["losses"]) == 4, (mesh, r)
+        assert r["loss_rel"] <= TOL and r["val_loss_rel"] <= TOL, (mesh, r)
+        assert r["losses"][-1] < r["losses"][0], (mesh, r)  # it trains
+    assert res["data=2,expert=4"]["preempted_at"] == 2
+    assert "batch_size=12" in res["error_batch"]
+    assert "num_experts" in res["error_experts"]
+    assert "16 devices" in res["error_devices"]
+    assert res["dense_expert_axis_is_fsdp"]

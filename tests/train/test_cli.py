@@ -53,7 +53,8 @@ def test_sampling_filters():
     (["--config", "tiny_kimi_linear", "--steps", "1", "--workdir", "w", "--set", "top_k=99"], "top_k"),
     (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--data", "mqar", "--set", "seq_len=8"], "seq_len"),
     (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--mesh", "data=2,pipeline=2"], "--mesh"),
-    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--mesh", "data=2"], "not wired"),
+    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--mesh", "data=2"], "2 devices"),
+    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--mesh", "data=x"], "--mesh"),
 ])
 def test_bad_cli_input_is_a_clear_error(argv, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a wrongly accepted run must not write into the repository
