@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from lineage_jax import memory
+from lineage_jax.memory.segments import document_index
 from lineage_jax.layers.common import Dense, RMSNorm, constant, l2_normalize, normal, param
 
 Array = jax.Array
@@ -81,14 +82,6 @@ def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array
             tap = tap * (docp[:, W - 1 - i: W - 1 - i + T] == doc)[..., None]
         y = y + tap
     return y.astype(x.dtype), xp[:, T:]
-
-
-def _doc_index(segment_ids: Optional[Array]) -> Optional[Array]:
-    if segment_ids is None:
-        return None
-    seg = jnp.asarray(segment_ids)
-    change = (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)
-    return jnp.cumsum(jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1), axis=1)
 
 
 class MemoryMixer(nnx.Module):
@@ -218,7 +211,7 @@ class MemoryMixer(nnx.Module):
     # ------------------------------------------------------------------ public
     def __call__(self, x: Array, *, segment_ids: Optional[Array] = None) -> Array:
         self._check("__call__", x, 3)
-        q, k, v, g, beta, _ = self._inputs(x, None, _doc_index(segment_ids))
+        q, k, v, g, beta, _ = self._inputs(x, None, None if segment_ids is None else document_index(segment_ids))
         o, _ = self._rule(q, k, v, g, beta, None, segment_ids)
         return self._output(o, x)
 
@@ -233,7 +226,7 @@ class MemoryMixer(nnx.Module):
     def prefill(self, x: Array, cache: MemoryCache, *, segment_ids: Optional[Array] = None):
         """Run ``T`` tokens after ``cache`` (chunked form); returns ``(y, cache)``."""
         self._check("prefill", x, 3)
-        q, k, v, g, beta, prefix = self._inputs(x, cache.conv, _doc_index(segment_ids))
+        q, k, v, g, beta, prefix = self._inputs(x, cache.conv, None if segment_ids is None else document_index(segment_ids))
         o, state = self._rule(q, k, v, g, beta, cache.state, segment_ids)
         return self._output(o, x), MemoryCache(prefix, state)
 

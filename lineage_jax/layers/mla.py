@@ -47,6 +47,7 @@ from jax import lax
 
 from lineage_jax.layers.common import Dense, RMSNorm, normal, param
 from lineage_jax.memory import _validate as V
+from lineage_jax.memory.segments import document_index
 
 Array = jax.Array
 
@@ -85,13 +86,6 @@ def apply_rope(x: Array, positions: Array, *, theta: float) -> Array:
     x32 = x.astype(jnp.float32)
     x1, x2 = x32[..., :half], x32[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def _doc_index(segment_ids: Array) -> Array:
-    """``[B, T]`` -> the index of each token's contiguous segment, counted from 0 per row."""
-    seg = jnp.asarray(segment_ids)
-    change = (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
 
 
 def _expanded_attention(q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, v: Array,
@@ -229,7 +223,7 @@ class MLA(nnx.Module):
         c, k_rope = self._latents(x, positions)
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), dtype=bool)), (B, T, T))
         if segment_ids is not None:
-            doc = _doc_index(segment_ids)
+            doc = document_index(segment_ids)
             mask = mask & (doc[:, :, None] == doc[:, None, :])
         o = _expanded_attention(q_nope, q_rope, self.wk_up(c), k_rope, self.wv_up(c), mask, self.scale)
         return self._output(o, x)
@@ -278,7 +272,7 @@ class MLA(nnx.Module):
 
         mask = jnp.arange(L)[None, None, :] <= positions[:, :, None]            # [B, T, L]
         if segment_ids is not None:
-            doc = _doc_index(segment_ids)
+            doc = document_index(segment_ids)
             key_doc = jnp.zeros((B, L), jnp.int32).at[rows, positions].set(doc)  # cached tokens: doc 0
             mask = mask & (key_doc[:, None, :] == doc[:, :, None])
         c_all = latent.astype(x.dtype)

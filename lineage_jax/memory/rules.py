@@ -26,6 +26,7 @@ import numpy as np
 
 from lineage_jax.memory import _validate as V
 from lineage_jax.memory import core
+from lineage_jax.memory.segments import segment_starts
 
 Array = jax.Array
 LinearState = Union[Array, tuple[Array, Array]]
@@ -35,15 +36,6 @@ _GATE_NONE, _GATE_SCALAR, _GATE_CHANNEL = "none", "scalar", "channel"
 
 def _compute_dtype(*arrays: Any) -> jnp.dtype:
     return jnp.result_type(jnp.float32, *[a.dtype for a in arrays if a is not None])
-
-
-def _resets(segment_ids: Optional[Array]) -> Optional[Array]:
-    """``[B, T]`` ids -> ``[B, T]`` bool, True where the id differs from the previous token."""
-    if segment_ids is None:
-        return None
-    seg = jnp.asarray(segment_ids)
-    change = seg[:, 1:] != seg[:, :-1]
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
 
 
 def _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, chunk_size, value_cols=0):
@@ -123,7 +115,7 @@ def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids
         v=v.astype(dt),
         g=None if g is None else (g.astype(dt)[..., None] if gate == _GATE_SCALAR else g.astype(dt)),
         beta=None if beta is None else beta.astype(dt),
-        reset=_resets(segment_ids),
+        reset=None if segment_ids is None else segment_starts(segment_ids),
     )
     S0 = jnp.zeros((B, H, K, Vd), dt) if initial_state is None else initial_state.astype(dt)
     if mode == "recurrent":

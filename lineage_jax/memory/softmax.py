@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lineage_jax.memory import _validate as V
+from lineage_jax.memory.segments import document_index
 
 Array = jax.Array
 
@@ -120,9 +121,7 @@ def softmax_attention(q: Array, k: Array, v: Array, *, scale: Optional[float] = 
     if causal:
         mask = mask & jnp.tril(jnp.ones((T, S), dtype=bool))
     if segment_ids is not None:
-        seg = jnp.asarray(segment_ids)
-        doc = jnp.cumsum(jnp.concatenate([jnp.zeros_like(seg[:, :1], dtype=jnp.int32),
-                                          (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)], axis=1), axis=1)
+        doc = document_index(segment_ids)
         mask = mask & (doc[:, None, :, None] == doc[:, None, None, :])
     return _attend(q, k, v, mask, scale)
 
@@ -162,9 +161,7 @@ def softmax_attention_extend(q: Array, k: Array, v: Array, cache: KVCache, *, sc
     key_pos = jnp.arange(L)
     mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
     if segment_ids is not None:
-        seg = jnp.asarray(segment_ids)
-        doc_new = jnp.cumsum(jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
-                                              (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)], axis=1), axis=1)
+        doc_new = document_index(segment_ids)
         # Document of every slot: cached slots are doc 0, new slot j holds token j − length.
         idx = jnp.clip(key_pos[None, :] - cache.length[:, None], 0, T - 1)
         doc_key = jnp.where(key_pos[None, :] < cache.length[:, None], 0, jnp.take_along_axis(doc_new, idx, axis=1))
