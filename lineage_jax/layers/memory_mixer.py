@@ -67,7 +67,8 @@ def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array
       prefix: ``[B, W−1, C]`` inputs before ``x`` (zeros at a sequence start);
       doc: ``[B, T]`` document index of each token (prefix tokens are document 0).
     Returns:
-      ``(y [B, T, C], new_prefix [B, W−1, C])``.
+      ``(y [B, T, C], new_prefix [B, W−1, C])``; the new prefix keeps the incoming
+      prefix's dtype (a cache's dtype does not change from step to step).
     """
     B, T, C = x.shape
     W = w.shape[0]
@@ -81,7 +82,7 @@ def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array
         if docp is not None:
             tap = tap * (docp[:, W - 1 - i: W - 1 - i + T] == doc)[..., None]
         y = y + tap
-    return y.astype(x.dtype), xp[:, T:]
+    return y.astype(x.dtype), xp[:, T:].astype(prefix.dtype)
 
 
 class MemoryMixer(nnx.Module):

@@ -111,3 +111,15 @@ def test_bad_input_width():
         make("kda")(jnp.zeros((2, 3, D + 1)))
     with pytest.raises(ValueError, match="`x`"):
         make("softmax")(jnp.zeros((2, D)))
+
+
+@pytest.mark.parametrize("kind", ["softmax", "kda"])
+def test_cache_dtype_is_stable_across_decode_steps(kind):
+    """A float32 layer with a bf16 cache returns a bf16 cache: the decode step's input and
+    output caches have one type, so a jitted decode loop compiles once."""
+    layer = make(kind)
+    cache = layer.init_cache(2, 8, jnp.bfloat16)
+    _, new = decode(layer, jnp.ones((2, D)), cache)
+    before = jax.tree.map(lambda a: (a.shape, a.dtype), cache)
+    after = jax.tree.map(lambda a: (a.shape, a.dtype), new)
+    assert before == after
