@@ -2,11 +2,18 @@
 
 Methods (bf16 q/k/v, H=16, D=K=V=128; fwd and fwd+bwd):
 
-* ``pallas``  — our Pallas kernels (``kernels.delta``) via ``lineage_jax.memory`` ``backend="pallas"``;
+* ``pallas``  — our Pallas kernels (``kernels.delta``: ``chunk_kda``, ``chunk_delta_rule``,
+  ``chunk_gated_delta_rule`` — what ``lineage_jax.memory``'s ``backend="pallas"`` calls; called
+  directly so that ``--pallas_chunk`` can set their chunk size);
 * ``xla``     — our XLA chunked form (``backend="xla"``: ``lineage_jax.memory.core.chunked``);
 * ``fla``     — flash-linear-attention's Triton kernels (``chunk_kda``, ``chunk_delta_rule``,
   ``chunk_gated_delta_rule``; GDN forward only: its backward miscompiles on Triton 3.6 + Hopper);
 * ``cudnn``   — causal softmax attention, ``jax.nn.dot_product_attention(implementation="cudnn")``.
+
+Rules: ``kda`` (exact per-channel gate), ``kdab`` (KDA with bounded gates: ours with
+``gate_lower_bound=-5``, fla with ``safe_gate=True``; the XLA form is plain KDA), ``delta``
+(DeltaNet), ``gdn`` (Gated DeltaNet: ours runs the scalar-gate kernels). The benchmark gates
+are ``-0.2·σ(z) >= -0.2`` (inside the bound).
 
 Timing: JAX — median of ``--reps`` (>= 20) runs, each ``block_until_ready``-synchronized,
 after warm-up; torch — median of CUDA-event-timed runs after warm-up. FLOPs and
@@ -24,6 +31,7 @@ Usage (on the device; fla-core installed with ``--target`` from a carried wheel)
 
     python -m experiments.kernel_bench --out $OUT --budget_s 400     # roofline + bench
     python -m experiments.kernel_bench --parts check,stages          # subsets
+    python -m experiments.kernel_bench --rules gdn,kdab --pallas_chunk 64   # a subset, 64-token chunks
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` under ``--out``.
 """
@@ -48,7 +56,9 @@ import numpy as np  # noqa: E402
 
 SHAPES = ((2, 8192), (8, 2048), (1, 32768))
 H, D, CHUNK = 16, 128, 64
-RULES = ("kda", "delta", "gdn")
+RULES = ("kda", "kdab", "delta", "gdn")
+GATE_BOUND = -5.0  # kdab: K3's bounded gate
+PALLAS_TUNING = {}  # --pallas_tuning, e.g. {"bv": 32, "num_warps": 8, "num_warps_state": 8}
 WARPS = tuple(int(w) for w in os.environ.get("BENCH_WARPS", "4").split(","))
 
 
@@ -76,7 +86,7 @@ def delta_flops(B, T, H, D, C=CHUNK):
 def delta_bytes(B, T, H, D, rule):
     """Fewest HBM bytes: inputs read once, outputs written once (bf16 q/k/v/o, f32 g)."""
     tok = B * T * H
-    g_bytes = 4 * D if rule == "kda" else (4 if rule == "gdn" else 0)
+    g_bytes = 4 * D if rule in ("kda", "kdab") else (4 if rule == "gdn" else 0)
     fwd = tok * (3 * 2 * D + g_bytes + 2 + 2 * D)
     bwd = tok * (3 * 2 * D + g_bytes + 2 + 2 * D) + tok * (3 * 2 * D + g_bytes + 2)  # + dO read, grads written
     return fwd, fwd + bwd
@@ -158,10 +168,20 @@ def make_inputs(B, T, dtype=jnp.bfloat16, seed=0, gate_scale=1.0):
     return dict(q=c(q), k=c(k), v=c(v), g=g, gs=gs, beta=c(beta), do=c(do))
 
 
-def rule_fn(rule, backend, **kw):
+def rule_fn(rule, backend, chunk_size=None, **kw):
     from lineage_jax import memory as M
 
-    if rule == "kda":
+    if backend == "pallas":
+        from kernels import delta as kd
+        kw = dict(kw, chunk_size=chunk_size, **PALLAS_TUNING)
+        if rule == "kda":
+            return lambda q, k, v, g, gs, beta: kd.chunk_kda(q, k, v, g, beta, **kw)
+        if rule == "kdab":
+            return lambda q, k, v, g, gs, beta: kd.chunk_kda(q, k, v, g, beta, gate_lower_bound=GATE_BOUND, **kw)
+        if rule == "gdn":
+            return lambda q, k, v, g, gs, beta: kd.chunk_gated_delta_rule(q, k, v, gs, beta, **kw)
+        return lambda q, k, v, g, gs, beta: kd.chunk_delta_rule(q, k, v, beta, **kw)
+    if rule in ("kda", "kdab"):
         return lambda q, k, v, g, gs, beta: M.kda(q, k, v, g, beta, backend=backend, **kw)
     if rule == "gdn":
         return lambda q, k, v, g, gs, beta: M.gated_delta_rule(q, k, v, gs, beta, backend=backend, **kw)
@@ -205,7 +225,7 @@ def compare(out_p, out_x, tol):
     return e
 
 
-def part_check(results):
+def part_check(results, rules=RULES, chunk_size=None):
     """Small-shape check with resets + initial state + odd T (pallas vs XLA chunked)."""
     out = {}
     B, T = 2, 300
@@ -214,12 +234,13 @@ def part_check(results):
         seg = jnp.asarray(np.repeat(np.array([[0] * 97 + [1] * 120 + [2] * 83]), B, 0), jnp.int32)
         S0 = 0.5 * jax.random.normal(jax.random.PRNGKey(9), (B, H, D, D), jnp.float32)
         args = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
-        for rule in ("kda", "delta"):
+        for rule in rules:
             name = f"{rule}/{jnp.dtype(dtype).name}"
             try:
                 outs = {}
                 for backend in ("xla", "pallas"):
-                    fn = rule_fn(rule, backend, initial_state=S0, segment_ids=seg)
+                    fn = rule_fn(rule, backend, chunk_size=chunk_size if backend == "pallas" else None,
+                                 initial_state=S0, segment_ids=seg)
                     # the reference runs on f32 copies of the same (rounded) inputs: f32 gradients
                     a = tuple(t.astype(jnp.float32) for t in args) if backend == "xla" else args
                     outs[backend] = jax_fwdbwd(fn)(*a, x["do"].astype(jnp.float32 if backend == "xla" else dtype))
@@ -232,16 +253,18 @@ def part_check(results):
     return all(v.get("pass") for v in out.values())
 
 
-def part_stages(results, B=2, T=8192):
-    """Per-kernel times of the Pallas KDA / DeltaNet at one shape."""
+def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
+    """Per-kernel times of the Pallas kernels at one shape."""
     from kernels.delta import api
     out = {}
     x = make_inputs(B, T)
-    for rule in ("kda", "delta"):
+    for rule in rules:
         for nw in WARPS:
             try:
-                s, args = api._debug_spec(x["q"], x["k"], x["v"], x["g"] if rule == "kda" else None, x["beta"],
-                                          num_warps=nw)
+                g = {"kda": x["g"], "kdab": x["g"], "gdn": x["gs"]}.get(rule)
+                extra = {"gate_lower_bound": GATE_BOUND} if rule == "kdab" else {}
+                tuning = dict(PALLAS_TUNING, num_warps=nw, chunk_size=chunk_size, **extra)
+                s, args = api._debug_spec(x["q"], x["k"], x["v"], g, x["beta"], **tuning)
                 q, k, v, g, beta, doc, h0 = args
                 f1 = jax.jit(lambda *a: api._intra_fwd(s, *a))
                 t1 = time_jax(f1, q, k, v, g, beta, doc)
@@ -266,7 +289,7 @@ def part_stages(results, B=2, T=8192):
     results["stages"] = out
 
 
-def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False):
+def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, rules=RULES, chunk_size=None):
     try:
         import torch
         have_torch = torch.cuda.is_available()
@@ -278,21 +301,22 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False):
             from fla.ops.delta_rule import chunk_delta_rule as fla_delta
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
             from fla.ops.kda import chunk_kda as fla_kda
-            fla = dict(kda=fla_kda, delta=fla_delta, gdn=fla_gdn)
+            fla = dict(kda=fla_kda, delta=fla_delta, gdn=fla_gdn,
+                       kdab=lambda *a: fla_kda(*a, safe_gate=True, lower_bound=GATE_BOUND))
         except Exception as ex:  # noqa: BLE001
             log("fla unavailable:", repr(ex)[:300])
     rows = results.setdefault("bench", [])
     for (B, T) in shapes:
         x = make_inputs(B, T)
         a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
-        for rule in RULES:
+        for rule in rules:
             fl_f, fl_fb = delta_flops(B, T, H, D)
             by_f, by_fb = delta_bytes(B, T, H, D, rule)
             outs = {}
             for method in ("pallas", "xla"):
                 if method not in methods:
                     continue
-                fn = rule_fn(rule, method)
+                fn = rule_fn(rule, method, chunk_size=chunk_size if method == "pallas" else None)
                 for mode in ("fwdbwd", "fwd"):
                     if mode == "fwdbwd" and rule == "gdn" and method == "pallas" and over():
                         continue
@@ -329,7 +353,7 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False):
                     if rule == "gdn" and mode == "fwdbwd":
                         continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper (DESIGN.md)
                     try:
-                        ins = [q, k, v] + ([g] if rule == "kda" else [gs] if rule == "gdn" else []) + [beta]
+                        ins = [q, k, v] + ([g] if rule in ("kda", "kdab") else [gs] if rule == "gdn" else []) + [beta]
                         if mode == "fwd":
                             def run(ins=ins):
                                 with torch.no_grad():
@@ -440,7 +464,21 @@ def main(argv=None):
     ap.add_argument("--methods", default="pallas,xla,fla,cudnn")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget_s", type=float, default=1e9, help="start no new part/shape after this many seconds")
+    ap.add_argument("--rules", default=",".join(RULES), help="comma-separated subset of " + ",".join(RULES))
+    ap.add_argument("--pallas_chunk", type=int, default=None, help="Pallas chunk size (default: the kernels' own)")
+    ap.add_argument("--pallas_tuning", default="",
+                    help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8")
     args = ap.parse_args(argv)
+    rules = tuple(args.rules.split(","))
+    for r in rules:
+        if r not in RULES:
+            ap.error(f"--rules: unknown rule {r!r}")
+    pc = args.pallas_chunk
+    for item in filter(None, args.pallas_tuning.split(",")):
+        key, val = item.split("=")
+        if key not in ("bv", "num_warps", "num_warps_state"):
+            ap.error(f"--pallas_tuning: unknown knob {key!r}")
+        PALLAS_TUNING[key] = int(val)
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     parts = args.parts.split(",")
@@ -452,7 +490,8 @@ def main(argv=None):
             commit = ""
     results = {"date": datetime.date.today().isoformat(), "commit": commit,
                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "H": H, "D": D,
-               "chunk": CHUNK, "reps": args.reps}
+               "chunk": CHUNK, "pallas_chunk": pc, "pallas_tuning": dict(PALLAS_TUNING), "rules": rules,
+               "reps": args.reps}
     path = os.path.join(args.out, "kernel_bench.json")
 
     def save():
@@ -467,7 +506,7 @@ def main(argv=None):
     pallas_ok = True
     t0 = time.time()
     if "check" in parts:
-        pallas_ok = part_check(results)
+        pallas_ok = part_check(results, rules, pc)
         log("check took", round(time.time() - t0, 1), "s")
         log("check passed:", pallas_ok)
         save()
@@ -477,24 +516,24 @@ def main(argv=None):
     ours = [m for m in methods if m != "fla"]
     reps = max(args.reps, 20)
     if "bench" in parts and shapes and not over():
-        part_bench(results, shapes[:1], reps, ours, pallas_ok, over)
+        part_bench(results, shapes[:1], reps, ours, pallas_ok, over, rules, pc)
         save()
     if "stages" in parts and not over():
-        part_stages(results)
+        part_stages(results, rules=rules, chunk_size=pc)
         save()
     if "bench" in parts:
         for shape in shapes[1:]:
             if over():
                 log("budget reached: skipping", shape)
                 continue
-            part_bench(results, [shape], reps, ours, pallas_ok, over)
+            part_bench(results, [shape], reps, ours, pallas_ok, over, rules, pc)
             save()
         if "fla" in methods:  # last: its autotuning compiles many configs
             for shape in shapes:
                 if over():
                     log("budget reached: skipping fla", shape)
                     continue
-                part_bench(results, [shape], reps, ["fla"], pallas_ok, over)
+                part_bench(results, [shape], reps, ["fla"], pallas_ok, over, rules)
                 save()
         log(summarize(results))
         save()

@@ -21,8 +21,11 @@ passes put the chunk axis last in the grid (``"arbitrary"``) with the state in a
 VMEM scratch buffer. No cumsum or triangular solve is lowered: prefix sums are
 triangle matmuls and the solve is forward substitution on 16×16 tiles.
 
-Gated DeltaNet runs through the per-channel (KDA) kernels with its scalar gate
-broadcast over the key channels (exact, but it pays KDA's cost).
+Gate kinds (:class:`~kernels.delta.tiles.Cfg` ``gate``): "none" (DeltaNet), "scalar" (Gated
+DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is one
+``[16, 16]`` ``exp`` of in-tile differences — DeltaNet's cost plus a few small elementwise
+ops) and "channel" (KDA: exact 16-step loops on the diagonal tiles, or, with
+``gate_lower_bound``, one anchored matmul per diagonal tile).
 
 Entry points: :func:`chunk_delta_rule`, :func:`chunk_gated_delta_rule`,
 :func:`chunk_kda` — ``[B, T, H, D]`` in, ``(o [B, T, H, V], S [B, H, K, V] f32)``
@@ -42,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels.delta import kernels as kn
-from kernels.delta.tiles import F32, Cfg
+from kernels.delta.tiles import BF16X6, F32, Cfg
 
 try:  # both exist in jax 0.10 / 0.11
     from jax.experimental.pallas import triton as pltriton
@@ -55,6 +58,8 @@ except Exception:  # pragma: no cover
 
 Array = jax.Array
 TARGETS = ("gpu", "tpu")
+MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
+                       # values they scale before products go subnormal (flushed on tensor cores)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +154,7 @@ def _chunk_inputs(s: Spec, q, k, v, g, beta, doc):
     args, specs = [q, k, v], [tk, tk, tv]
     if g is not None:
         args.append(g)
-        specs.append(tk)
+        specs.append(tk if s.cfg.channel else t1)
     args.append(beta)
     specs.append(t1)
     if doc is not None:
@@ -260,8 +265,9 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, W, U, ut, dut, do, h, dh):
                  jax.ShapeDtypeStruct(_tok_shape(s, 1), beta.dtype)]
     out_specs = [tk, tk, tv, t1]
     if g is not None:
-        out_shape.append(jax.ShapeDtypeStruct(_tok_shape(s, K), g.dtype))
-        out_specs.append(tk)
+        gk = K if s.cfg.channel else 1
+        out_shape.append(jax.ShapeDtypeStruct(_tok_shape(s, gk), g.dtype))
+        out_specs.append(tk if s.cfg.channel else t1)
     return _call(s, functools.partial(kn.intra_bwd, s.cfg), grid=(s.B, s.H, s.N), in_specs=specs,
                  out_specs=out_specs, out_shape=out_shape, semantics=("parallel", "parallel", "parallel"))(*args)
 
@@ -332,9 +338,35 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"`chunk_size` must be a power of two >= 16 for the Pallas kernels, got {chunk_size!r}")
 
 
+def _check_gate_bound(g, gate, bound):
+    """Validate ``gate_lower_bound``; with concrete gates, check that they respect it."""
+    if bound is None:
+        return None
+    if gate != "channel":
+        raise ValueError("`gate_lower_bound` applies to the per-channel (KDA) gate only")
+    try:
+        bound = float(bound)
+    except (TypeError, ValueError):
+        raise ValueError(f"`gate_lower_bound` must be a float in [{MIN_GATE_BOUND}, 0), got {bound!r}") from None
+    if not (MIN_GATE_BOUND <= bound < 0.0):
+        raise ValueError(f"`gate_lower_bound` must be in [{MIN_GATE_BOUND}, 0) (a 16-token tile anchored at its "
+                         f"middle row must keep exp(8·|bound|) within float32), got {bound!r}")
+    try:
+        gmin = float(jnp.min(jnp.asarray(g, jnp.float32)))  # one scalar back to the host
+    except jax.errors.ConcretizationTypeError:  # traced (under jit): cannot be checked
+        gmin = None
+    if gmin is not None:
+        if not gmin >= bound:  # also catches NaN
+            raise ValueError(f"`gate_lower_bound={bound}` is set but the gates reach {gmin:g} < {bound}: the "
+                             "bounded-gate kernels would overflow. Clip or bound the gates (e.g. g = "
+                             f"{bound}·sigmoid(·)), or leave `gate_lower_bound=None` for the exact kernels.")
+    return bound
+
+
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
-             bv=None, num_warps=4, num_warps_state=4, state_dtype=None):
+             gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, state_dtype=None):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
+    gate_bound = _check_gate_bound(g, gate, gate_lower_bound)
     if q.ndim != 4:
         raise ValueError(f"`q` must be [B, T, H, K], got shape {q.shape}")
     B, T, H, K0 = q.shape
@@ -358,13 +390,16 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     low = io_dtype != jnp.float32
     if scale is None:
         scale = K0 ** -0.5
+    # f32 dots: HIGHEST on TPU (Mosaic); on GPU six bf16 MMAs (tiles.BF16X6, f32-accurate) — Triton's
+    # IEEE-f32 dots are FMA loops that took 70–100 s to compile per backward kernel.
+    f32_prec = lax.Precision.HIGHEST if target == "tpu" else BF16X6
     if target == "tpu":
         solve_prec = lax.Precision.HIGHEST  # Mosaic: DEFAULT (one bf16 pass) or HIGHEST
     else:
-        solve_prec = lax.Precision.DEFAULT if low else lax.Precision.HIGHEST  # DEFAULT = tf32 on Triton
-    cfg = Cfg(chunk=C, gated=gate is not None, docs=segment_ids is not None, scale=float(scale),
-              mm_dtype=io_dtype if low else F32, mm_prec=None if low else lax.Precision.HIGHEST,
-              solve_prec=solve_prec, unroll=(target == "tpu" and not interpret))
+        solve_prec = lax.Precision.DEFAULT if low else f32_prec  # DEFAULT = tf32 on Triton
+    cfg = Cfg(chunk=C, gate=gate or "none", docs=segment_ids is not None, scale=float(scale),
+              mm_dtype=io_dtype if low else F32, mm_prec=None if low else f32_prec,
+              solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound)
     if bv is None:
         bv = V if target == "tpu" else min(V, 64)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
@@ -382,7 +417,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     bb = prep(beta[..., None], 1, 1, F32)
     gg = None
     if gate == "scalar":
-        gg = prep(jnp.broadcast_to(g[..., None], (B, T, H, K0)), K0, K, F32)
+        gg = prep(g[..., None], 1, 1, F32)
     elif gate == "channel":
         gg = prep(g, K0, K, F32)
     doc = None
@@ -411,10 +446,15 @@ def _delta(q, k, v, g, beta, **kw):
     return o, sT[:, :, :K0, :V0]
 
 
-def _debug_spec(q, k, v, g, beta, **tuning):
-    """``(spec, laid-out args)`` for timing the five kernels one by one (benchmarks)."""
-    return _prepare(q, k, v, g, beta, gate=None if g is None else "channel", scale=None, initial_state=None,
-                    segment_ids=None, chunk_size=None, target="gpu", interpret=None, **tuning)
+def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
+    """``(spec, laid-out args)`` for timing the five kernels one by one (benchmarks). ``gate``:
+    None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
+    ``gate_lower_bound``, ``chunk_size`` and the launch knobs."""
+    if gate is None and g is not None:
+        gate = "channel" if g.ndim == 4 else "scalar"
+    tuning.setdefault("chunk_size", None)
+    return _prepare(q, k, v, g, beta, gate=gate, scale=None, initial_state=None,
+                    segment_ids=None, target="gpu", interpret=None, **tuning)
 
 
 _DOC = """
@@ -446,13 +486,23 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
-              target=None, interpret=None, **tuning):
+              target=None, interpret=None, gate_lower_bound=None, **tuning):
     return _delta(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
-                  segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret, **tuning)
+                  segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret,
+                  gate_lower_bound=gate_lower_bound, **tuning)
 
 
 chunk_delta_rule.__doc__ = "DeltaNet, ``S_t = (I − β_t k_tᵀk_t) S_{t−1} + β_t k_tᵀv_t``, by Pallas kernels." + _DOC
 chunk_gated_delta_rule.__doc__ = ("Gated DeltaNet (``g [B, T, H]`` log-decay, one scalar per head), by Pallas "
-                                  "kernels (the scalar gate runs through the per-channel kernels)." + _DOC)
+                                  "kernels (scalar-gate variants: each score tile's decay is one ``[16, 16]`` "
+                                  "``exp`` of differences, so it costs about what DeltaNet does)." + _DOC)
+_BOUND_DOC = """      gate_lower_bound: opt-in bounded-gate mode (e.g. ``-5.0`` for K3's ``g = −5·σ(·)``), in
+        ``[-8, 0)``: the caller promises ``g >= gate_lower_bound`` everywhere. Each 16-token
+        diagonal tile is then anchored at its middle row (``|G_i − G_mid| <= 8·|bound|``, so
+        ``e^{±40}`` at −5 stays in float32) and computed by one matmul instead of a 16-step
+        loop. Concrete gates are checked (``ValueError`` if violated); traced gates (under
+        ``jit``) cannot be — gates below the bound then give wrong results (inf/NaN), so bound
+        them by construction. ``None`` (default): the exact kernels, safe for any gate.
+"""
 chunk_kda.__doc__ = ("Kimi Delta Attention (``g [B, T, H, K]`` per-channel log-decay: decay, then erase), by "
-                     "Pallas kernels." + _DOC)
+                     "Pallas kernels." + _DOC.replace("    Returns:", _BOUND_DOC + "    Returns:"))

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels.delta.tiles import (
-    F32, HIGHEST, SUB, Cfg, Chunk, _mul, dot, get_col, iota, load_rows, mm, row_to_col, col_to_row,
+    F32, SUB, Cfg, Chunk, _mul, apply_decay, get_col, get_diag, load_rows, mm, prefix_sum, row_to_col, col_to_row,
     scores, sm, solve_backward, solve_forward, store_rows, ut_system,
 )
 
@@ -77,7 +77,7 @@ def intra_fwd(cfg: Cfg, *refs):
     K = dend_ref.shape[0]
     if ch.d_end is None:
         d = jnp.ones((K, 1), F32)
-    elif cfg.gated:
+    elif cfg.channel:
         d = row_to_col(ch.d_end)
     else:
         d = jnp.broadcast_to(ch.d_end, (K, 1))
@@ -201,13 +201,19 @@ def intra_bwd(cfg: Cfg, *refs):
     dW = [-mm(cfg, dut[I], S, tb=True) for I in range(nb)]
     dkout = [mm(cfg, ut[I], dS, tb=True) for I in range(nb)]
     dM = [dict() for _ in range(nb)]
+    dMd = []  # [16, 1]: the diagonal of each dM_II
     for I in range(nb):
         for J in range(I):
             dM[I][J] = mm(cfg, do[I], ut[J], tb=True)
-        dM[I][I] = jnp.where(ch.diag_mask(I, False), mm(cfg, do[I], ut[I], tb=True), 0.0)
+        # The diagonal entries (Γ_ii = 1: no gate dependence) are taken out and added to dq, dk
+        # directly, so that their cancelling contributions never reach dg (with strong gates dg is
+        # ~e^{-20} smaller than dq, dk and would drown in their rounding).
+        dii = mm(cfg, do[I], ut[I], tb=True)
+        dMd.append(get_diag(dii))
+        dM[I][I] = jnp.where(ch.diag_mask(I, True), dii, 0.0)
 
     # -- back through the solve
-    _, KK, (Lq, Lk, Rk) = scores(cfg, ch, q, k, r["k"], want_m=False)
+    _, KK, aux = scores(cfg, ch, q, k, r["k"], want_m=False)
     A, tT = ut_system(cfg, ch, KK, beta)
     U = _tiles(u_ref, nb)
     W = _tiles(w_ref, nb)
@@ -231,53 +237,80 @@ def intra_bwd(cfg: Cfg, *refs):
     dqS = [zero] * nb
     dkL = [zero] * nb
     dkR = [zero] * nb
-    for I in range(nb):
+    if not cfg.channel:
+        # [16, 16] decays (or masks) on the score tiles: plain matmuls of the decayed cotangents.
+        for I in range(nb):
+            for J in range(I + 1):
+                dMg = apply_decay(dM[I][J], ch.decay(I, J))
+                dKg = apply_decay(dKK[I][J], ch.decay(I, J, strict=True))
+                dqS[I] = dqS[I] + mm(cfg, dMg, k[J])
+                dkL[I] = dkL[I] + sm(cfg, dKg, k[J])
+                dkR[J] = dkR[J] + mm(cfg, dMg, q[I], ta=True) + sm(cfg, dKg, k[I], ta=True)
+    else:
+        Lq, Lk, Rk = aux
+    for I in range(nb if cfg.channel else 0):
         for J in range(I):
             mij = ch.m[I, J]
             dqS[I] = dqS[I] + _mul(_mul(mm(cfg, dM[I][J], Rk[J]), mij), ch.fL[I])
             dkL[I] = dkL[I] + _mul(_mul(sm(cfg, dKK[I][J], Rk[J]), mij), ch.fL[I])
             dkR[J] = dkR[J] + _mul(_mul(mm(cfg, dM[I][J], Lq[I], ta=True) + sm(cfg, dKK[I][J], Lk[I], ta=True),
                                         mij), ch.fR[J])
-        if cfg.gated:
-            def body(j, gam, c, I=I):
-                dq_, dkl_, dkr_ = c
-                kj = load_rows(r["k"], I * SUB + j, 1)
-                dmc = get_col(dM[I][I], j)
-                dkc = get_col(dKK[I][I], j)
-                kg = kj * gam
-                right = jnp.sum((dmc * q[I] + dkc * k[I]) * gam, axis=0, keepdims=True)
-                return dq_ + dmc * kg, dkl_ + dkc * kg, dkr_ + jnp.where(ch.r16 == j, right, 0.0)
+        if cfg.gate_bound is not None:
+            # anchored at the middle row: Γ_ij = e^{P_i − P_m} e^{P_m − P_j}; dM, dKK are already masked
+            up, down = ch.anc[I]
+            dqS[I] = dqS[I] + mm(cfg, dM[I][I], k[I] * down) * up
+            dkL[I] = dkL[I] + sm(cfg, dKK[I][I], k[I] * down) * up
+            dkR[I] = dkR[I] + (mm(cfg, dM[I][I], q[I] * up, ta=True) + sm(cfg, dKK[I][I], k[I] * up, ta=True)) * down
+            continue
 
-            dqS[I], dkL[I], dkR[I] = ch.diag_loop(I, body, (dqS[I], dkL[I], dkR[I]))
-        else:
-            dqS[I] = dqS[I] + mm(cfg, dM[I][I], k[I])
-            dkL[I] = dkL[I] + sm(cfg, dKK[I][I], k[I])
-            dkR[I] = dkR[I] + mm(cfg, dM[I][I], q[I], ta=True) + sm(cfg, dKK[I][I], k[I], ta=True)
+        def body(j, gam, c, I=I):
+            dq_, dkl_, dkr_ = c
+            kj = load_rows(r["k"], I * SUB + j, 1)
+            dmc = get_col(dM[I][I], j)
+            dkc = get_col(dKK[I][I], j)
+            kg = kj * gam
+            right = jnp.sum((dmc * q[I] + dkc * k[I]) * gam, axis=0, keepdims=True)
+            return dq_ + dmc * kg, dkl_ + dkc * kg, dkr_ + jnp.where(ch.r16 == j, right, 0.0)
+
+        dqS[I], dkL[I], dkR[I] = ch.diag_loop(I, body, (dqS[I], dkL[I], dkR[I]))
 
     # -- assemble
-    dG = []
-    dGC = None
+    dG, dE = [], []
     for I in range(nb):
         dRw_b = beta[I] * dRw[I]
-        dq = _mul(dqin[I], ch.Ein[I]) + dqS[I]
-        dk = _mul(dRw_b, ch.Ein[I]) + _mul(dkout[I], ch.Eout[I]) + dkL[I] + dkR[I]
+        dq = _mul(dqin[I], ch.Ein[I]) + dqS[I] + dMd[I] * k[I]
+        dk = _mul(dRw_b, ch.Ein[I]) + _mul(dkout[I], ch.Eout[I]) + dkL[I] + dkR[I] + dMd[I] * q[I]
         store_rows(dq_ref, I * SUB, dq * cfg.scale)
         store_rows(dk_ref, I * SUB, dk)
         store_rows(dv_ref, I * SUB, beta[I] * dRu[I])
         store_rows(dbeta_ref, I * SUB, dbeta[I])
         if cfg.gated:
-            eout = ch.Eout[I] * (k[I] * dkout[I])
+            # dg_s = Σ_{i >= s} dG_i + Σ_{i < s} dE_i + dG_C: dG_i the gradient w.r.t. G_i through
+            # e^{G_i} and the row side of the scores, minus their column side; dE_i that through
+            # e^{G_C − G_i} (which depends on g_s for s > i only — a forward prefix sum, so a large
+            # e^{G_C − G_i} near the chunk end never cancels against small earlier terms).
             d = (q[I] * dqS[I] + k[I] * (dkL[I] - dkR[I])
-                 + ch.Ein[I] * (dRw_b * k[I] + q[I] * dqin[I]) - eout)
+                 + ch.Ein[I] * (dRw_b * k[I] + q[I] * dqin[I]))
+            e = ch.Eout[I] * (k[I] * dkout[I])
+            if not cfg.channel:  # a scalar gate feeds every channel: its gradient is their sum
+                d = jnp.sum(d, axis=1, keepdims=True)
+                e = jnp.sum(e, axis=1, keepdims=True)
             dG.append(d)
-            s = jnp.sum(eout, axis=0, keepdims=True)
-            dGC = s if dGC is None else dGC + s
+            dE.append(e)
     if cfg.gated:
-        dd = col_to_row(jnp.sum(S.astype(F32) * dS.astype(F32), axis=1, keepdims=True))  # [1, K]
-        dGC = dGC + dd * ch.d_end
-        # dg_s = Σ_{i >= s} dG_i (+ dG_C for every s): reverse prefix sums by a triangle matmul.
-        triu = (iota((SUB, SUB), 1) >= iota((SUB, SUB), 0)).astype(F32)
-        tail = dGC
+        dd = jnp.sum(S.astype(F32) * dS.astype(F32), axis=1, keepdims=True)  # [K, 1]
+        dd = col_to_row(dd) if cfg.channel else jnp.sum(dd, axis=0, keepdims=True)  # [1, K] / [1, 1]
+        dGC = dd * ch.d_end
+        tail = [None] * nb
+        acc = dGC
         for I in reversed(range(nb)):
-            store_rows(dg_ref, I * SUB, dot(triu, dG[I], precision=HIGHEST) + tail)
-            tail = tail + jnp.sum(dG[I], axis=0, keepdims=True)
+            tail[I] = acc
+            acc = acc + jnp.sum(dG[I], axis=0, keepdims=True)
+        head = None
+        for I in range(nb):
+            g_s = prefix_sum(dG[I], reverse=True) + tail[I] + prefix_sum(dE[I], reverse=False)
+            if head is not None:
+                g_s = g_s + head
+            store_rows(dg_ref, I * SUB, g_s)
+            h = jnp.sum(dE[I], axis=0, keepdims=True)
+            head = h if head is None else head + h

@@ -25,12 +25,27 @@ computed directly as ``exp(where(i >= j, P_I − P_I[j], −inf))`` — masked b
 the ``exp``, so nothing overflows for any gate. Document boundaries (resets)
 factor the same way: documents are monotone in the token index, so
 ``doc_i == doc_j`` iff ``doc_i == doc_a == doc_b == doc_j`` for ``j <= b < a <= i``.
+
+Gate kinds (``Cfg.gate``), one mechanism:
+
+* ``"channel"`` (KDA): the factors above are ``[16, K]`` and multiply the operands; diagonal
+  tiles loop over their 16 columns (exact for any gate) or, with ``Cfg.gate_bound`` (every
+  gate ``>= bound >= -8``), are one matmul anchored at the tile's middle row ``m``:
+  ``(q ⊙ e^{P − P_m})(k ⊙ e^{P_m − P})ᵀ``, exponents ``<= 8·|bound|``, masked after the matmul.
+* ``"scalar"`` (Gated DeltaNet) and ``"none"`` (DeltaNet): the factors are ``[16, 1]`` columns,
+  so the decay of a whole score tile is a ``[16, 16]`` matrix (:meth:`Chunk.decay`) applied to
+  the plain ``l rᵀ`` product; the diagonal tile's is ``exp`` of in-tile differences behind a
+  double ``where``. The scalar gate's gradient is the channel sum of the per-channel one.
+
+Gate gradients avoid cancellation: the diagonal of the ``q·k`` scores (``Γ_ii = 1``) bypasses
+``dg``, and the part through ``e^{G_C − G_i}`` is a forward prefix sum, so ``dg`` stays accurate
+relative to its own size even when strong gates (−20 per token) make it ~1e-8 of ``dq``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import jax.numpy as jnp
 from jax import lax
@@ -41,36 +56,74 @@ F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 
 
+GATES = ("none", "scalar", "channel")
+
+
 @dataclasses.dataclass(frozen=True)
 class Cfg:
     """Static configuration of one kernel family instance (hashable)."""
 
     chunk: int            # C, tokens per chunk (multiple of 16)
-    gated: bool           # per-channel log-decays present
+    gate: str             # "none" (DeltaNet), "scalar" (GDN: one log-decay per token) or "channel" (KDA)
     docs: bool            # segment resets present
     scale: float          # q multiplier
     mm_dtype: Any         # operand dtype of the bulk matmuls (bf16 or f32)
     mm_prec: Any          # precision of the bulk matmuls when they are f32
     solve_prec: Any       # precision of the f32 matmuls of A and the solve
     unroll: bool = False  # Python-unroll the 16-step inner loops (TPU) or lax.fori_loop them (GPU, CPU)
+    gate_bound: Optional[float] = None  # "channel" only: every gate >= gate_bound (>= -8): anchored diagonal tiles
 
     @property
     def nb(self) -> int:
         return self.chunk // SUB
+
+    @property
+    def gated(self) -> bool:
+        return self.gate != "none"
+
+    @property
+    def channel(self) -> bool:
+        """Per-channel decays: applied to the operands (anchored), diagonal tiles loop or anchor."""
+        return self.gate == "channel"
 
 
 def iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+BF16X6 = "bf16x6"  # a `precision`: f32 dots as six bf16 MMAs (see `dot`)
+
+
+def split_bf16(x):
+    """f32 ``x`` as three bf16 parts ``x₁ + x₂ + x₃`` (8 + 8 + 8 mantissa bits: all of f32's 24)."""
+    x1 = x.astype(jnp.bfloat16)
+    rem = x - x1.astype(F32)
+    x2 = rem.astype(jnp.bfloat16)
+    x3 = (rem - x2.astype(F32)).astype(jnp.bfloat16)
+    return x1, x2, x3
+
+
 def dot(a, b, *, ta=False, tb=False, dtype=None, precision=None):
-    """``a @ b`` (``aᵀ`` / ``bᵀ`` when ``ta`` / ``tb``) with f32 accumulation."""
+    """``a @ b`` (``aᵀ`` / ``bᵀ`` when ``ta`` / ``tb``) with f32 accumulation.
+
+    ``precision=BF16X6`` (f32 operands, GPU): six bf16 MMAs over the split operands — every
+    cross term down to 2⁻²⁴ relative, i.e. f32 accuracy — instead of an IEEE-f32 dot, which
+    Triton expands into FMA loops (a minute or more to compile per backward kernel, and slow).
+    """
     if dtype is not None:
         a = a.astype(dtype)
         b = b.astype(dtype)
     if a.dtype != F32 or b.dtype != F32:
         precision = None
     dn = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    if precision == BF16X6:
+        a1, a2, a3 = split_bf16(a)
+        b1, b2, b3 = split_bf16(b)
+
+        def d(x, y):
+            return lax.dot_general(x, y, dn, preferred_element_type=F32)
+        # smallest terms first
+        return (d(a1, b3) + d(a2, b2) + d(a3, b1)) + (d(a1, b2) + d(a2, b1)) + d(a1, b1)
     return lax.dot_general(a, b, dn, precision=precision, preferred_element_type=F32)
 
 
@@ -104,6 +157,32 @@ def get_row(x, j):
 def get_col(x, j):
     """Column ``j`` (static) of ``x`` as ``[m, 1]``."""
     return jnp.sum(jnp.where(iota((1, x.shape[1]), 1) == j, x, 0.0), axis=1, keepdims=True)
+
+
+def get_diag(x):
+    """The diagonal of square ``x`` as a column ``[n, 1]``."""
+    n = x.shape[0]
+    return jnp.sum(jnp.where(iota((n, n), 0) == iota((n, n), 1), x, 0.0), axis=1, keepdims=True)
+
+
+def tri_dot(tri, x):
+    """``tri @ x`` for a 0/1 matrix ``tri [16, 16]`` and f32 ``x [16, n]``, to f32 accuracy by three
+    bf16 MMAs (:func:`split_bf16`; every product exact, f32 accumulation). An IEEE-f32 dot
+    expands to FMA loops on Triton: slow to compile and to run."""
+    t = tri.astype(jnp.bfloat16)
+    x1, x2, x3 = split_bf16(x)
+    return (dot(t, x3) + dot(t, x2)) + dot(t, x1)
+
+
+def prefix_sum(x, reverse: bool):
+    """In-tile prefix sums of ``x [16, n]`` along the rows: ``Σ_{s >= i} x_s`` (``reverse``,
+    inclusive) or ``Σ_{s < i} x_s`` (forward, exclusive). f32; a triangle matmul for ``n >= 16``,
+    a masked row sum for a ``[16, 1]`` column (a dot needs 16 columns on Triton)."""
+    r, c = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
+    tri = (c >= r) if reverse else (c < r)
+    if x.shape[1] == 1:
+        return jnp.sum(jnp.where(tri, col_to_row(x), 0.0), axis=1, keepdims=True)
+    return tri_dot(tri, x)
 
 
 def load_rows(ref, start, n):
@@ -149,17 +228,33 @@ def unit_lower_inverse_t(a, unroll=False):
     return loop(unroll, 1, n, body, (r == c).astype(F32))
 
 
+def apply_decay(x, d):
+    """Score tile ``x`` times its decay/mask ``d`` (None: ones; bool: a mask; else a factor)."""
+    if d is None:
+        return x
+    if d.dtype == jnp.bool_:
+        return jnp.where(d, x, 0.0)
+    return x * d
+
+
 class Chunk:
     """Per-chunk, per-tile quantities of the gates and the document masks.
 
     Built at trace time inside a kernel from the chunk's refs. ``None`` stands for
     "all ones" (no gate / no documents), so ungated kernels carry no dead work.
+
+    Gate kinds (``cfg.gate``): per-token factors are ``[16, K]`` ("channel") or
+    ``[16, 1]`` columns ("scalar", broadcast over the channels); tile-pair factors
+    ``[1, K]`` or ``[1, 1]``. With no per-channel gate ("none", "scalar") the decay of
+    a score tile is a ``[16, 16]`` matrix (:meth:`decay`) applied to the plain product
+    ``l rᵀ`` — the diagonal tile is one masked matmul, as for DeltaNet.
     """
 
     def __init__(self, cfg: Cfg, g_ref=None, doc_ref=None):
         self.cfg = cfg
-        nb, C = cfg.nb, cfg.chunk
+        nb = cfg.nb
         self.r16 = iota((SUB, 1), 0)
+        self._decay = {}
         # ---- documents
         if cfg.docs:
             self.doc = [load_rows(doc_ref, I * SUB, SUB) for I in range(nb)]          # [16, 1]
@@ -176,21 +271,13 @@ class Chunk:
             sees = last = mL = mR = [None] * nb
             sees_last = None
         # ---- gates
+        self.g_ref, self.doc_ref = g_ref, doc_ref
         if cfg.gated:
-            self.g_ref, self.doc_ref = g_ref, doc_ref
-            # In-tile prefix sums, row by row: P_I[j] = 0 + g_a + ... + g_j (sequential f32 adds).
-            # The diagonal loops redo the same adds, so P_I[j] − (their row j) is exactly 0.
-            self.P, tot, ga = [], [], []
-            K = g_ref.shape[-1]
-            for I in range(nb):
-                def body(j, carry, I=I):
-                    acc, tile = carry
-                    acc = acc + load_rows(g_ref, I * SUB + j, 1)
-                    return acc, jnp.where(self.r16 == j, acc, tile)
-                acc, tile = loop(cfg.unroll, 0, SUB, body, (jnp.zeros((1, K), F32), jnp.zeros((SUB, K), F32)))
-                self.P.append(tile)
-                tot.append(acc)                                                    # = P_I[15]
-                ga.append(load_rows(g_ref, I * SUB, 1))                            # = P_I[0]
+            if cfg.gate == "channel":
+                P, tot, ga, span = self._prefix_channel(g_ref)
+            else:
+                P, tot, ga, span = self._prefix_scalar(g_ref)
+            self.P = P
             before = [None] * nb
             after = [None] * nb
             acc = None
@@ -202,20 +289,23 @@ class Chunk:
             for I in reversed(range(nb)):
                 after[I] = acc
                 acc = tot[I] if acc is None else acc + tot[I]
-            self.Ein = [_mul(jnp.exp(self.P[I] if before[I] is None else before[I] + self.P[I]), sees[I])
+            # P_I[i] = Σ_{a_I < t <= i} g_t ("channel": also + g_{a_I}; `base` removes it).
+            base = ga if cfg.gate == "channel" else [None] * nb
+            with_a = P if cfg.gate == "channel" else [ga[I] + P[I] for I in range(nb)]      # Σ_{a_I <= t <= i}
+            self.Ein = [_mul(jnp.exp(with_a[I] if before[I] is None else before[I] + with_a[I]), sees[I])
                         for I in range(nb)]
-            self.Eout = [_mul(jnp.exp((tot[I] - self.P[I]) if after[I] is None else after[I] + (tot[I] - self.P[I])),
+            self.Eout = [_mul(jnp.exp((span[I] - P[I]) if after[I] is None else after[I] + (span[I] - P[I])),
                               last[I]) for I in range(nb)]
-            self.d_end = _mul(jnp.exp(total), sees_last)                                     # [1, K]
-            self.fL = [_mul(jnp.exp(self.P[I] - ga[I]), mL[I]) for I in range(nb)]             # e^{G_I - G_a}
-            self.fR = [_mul(jnp.exp(tot[I] - self.P[I]), mR[I]) for I in range(nb)]            # e^{G_b - G_J}
+            self.d_end = _mul(jnp.exp(total), sees_last)                                       # [1, K|1]
+            self.fL = [_mul(jnp.exp(P[I] if base[I] is None else P[I] - base[I]), mL[I]) for I in range(nb)]
+            self.fR = [_mul(jnp.exp(span[I] - P[I]), mR[I]) for I in range(nb)]                  # e^{G_b - G_J}
             self.m = {}
             for I in range(nb):
                 for J in range(I):
                     e = ga[I]
                     for L in range(J + 1, I):
                         e = e + tot[L]
-                    f = jnp.exp(e)                                                             # e^{G_a_I - G_b_J}
+                    f = jnp.exp(e)                                                               # e^{G_a_I - G_b_J}
                     if cfg.docs:
                         f = f * (self.doc_a[I] == self.doc_b[J]).astype(F32)
                     self.m[I, J] = f
@@ -228,6 +318,59 @@ class Chunk:
             for I in range(nb):
                 for J in range(I):
                     self.m[I, J] = None if not cfg.docs else (self.doc_a[I] == self.doc_b[J]).astype(F32)
+        if cfg.channel and cfg.gate_bound is not None:
+            # Bounded gates: anchor each diagonal tile at its middle row m, |P_i − P_m| <= 8·|bound| <= 64,
+            # so q ⊙ e^{P − P_m} and k ⊙ e^{P_m − P} stay finite and normal in f32 and bf16 (the masked
+            # upper triangle may overflow: it is dropped by a `where`, never multiplied).
+            self.anc = []
+            for I in range(nb):
+                pm = get_row(self.P[I], SUB // 2)
+                self.anc.append((jnp.exp(self.P[I] - pm), jnp.exp(pm - self.P[I])))
+        if not cfg.channel:
+            self.fR_row = [None if f is None else col_to_row(f) for f in self.fR]
+            if cfg.gate == "scalar":
+                self.P_row = [col_to_row(p) for p in self.P]
+
+    def _prefix_channel(self, g_ref):
+        """Per-channel in-tile prefix sums ``P_I[i] = Σ_{a_I <= t <= i} g_t`` ``[16, K]``.
+
+        Exact gates: row by row (sequential f32 adds; the diagonal loops redo the same adds, so
+        ``P_I[j] −`` (their row ``j``) is exactly 0). Bounded gates: one triangle matmul (:func:`tri_dot`).
+        """
+        cfg = self.cfg
+        P, tot, ga = [], [], []
+        K = g_ref.shape[-1]
+        for I in range(cfg.nb):
+            if cfg.gate_bound is not None:
+                tile = tri_dot(iota((SUB, SUB), 1) <= iota((SUB, SUB), 0), load_rows(g_ref, I * SUB, SUB))
+                acc = get_row(tile, SUB - 1)
+            else:
+                def body(j, carry, I=I):
+                    acc, tile = carry
+                    acc = acc + load_rows(g_ref, I * SUB + j, 1)
+                    return acc, jnp.where(self.r16 == j, acc, tile)
+                acc, tile = loop(cfg.unroll, 0, SUB, body, (jnp.zeros((1, K), F32), jnp.zeros((SUB, K), F32)))
+            P.append(tile)
+            tot.append(acc)                                                    # = P_I[15]
+            ga.append(load_rows(g_ref, I * SUB, 1))                            # = P_I[0]
+        return P, tot, ga, tot
+
+    def _prefix_scalar(self, g_ref):
+        """Scalar gates: ``P_I[i] = Σ_{a_I < t <= i} g_t`` ``[16, 1]`` (the anchor row's own gate left
+        out, so a huge gate there costs no precision in the in-tile differences), by a masked sum."""
+        P, tot, ga, span = [], [], [], []
+        r, c = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
+        for I in range(self.cfg.nb):
+            g = load_rows(g_ref, I * SUB, SUB)                                 # [16, 1]
+            a = load_rows(g_ref, I * SUB, 1)                                   # [1, 1]
+            g_row = col_to_row(jnp.where(self.r16 == 0, 0.0, g))               # [1, 16]
+            p = jnp.sum(jnp.where(c <= r, g_row, 0.0), axis=1, keepdims=True)  # [16, 1]
+            sp = jnp.sum(g_row, axis=1, keepdims=True)                         # [1, 1] = P_I[15]
+            P.append(p)
+            ga.append(a)
+            span.append(sp)
+            tot.append(a + sp)
+        return P, tot, ga, span
 
     # ------------------------------------------------------------------ masks
     def same_doc(self, I):
@@ -241,6 +384,35 @@ class Chunk:
         m = (r > c) if strict else (r >= c)
         sd = self.same_doc(I)
         return m if sd is None else (m & sd)
+
+    def decay(self, I, J, strict=False):
+        """Gate kinds "none"/"scalar": the ``[16, 16]`` factor of score tile ``(I, J)``, ``J <= I``.
+
+        ``Γ[i, j] = exp(G_i − G_j)`` on the causal, same-document entries, else 0 (None: all
+        ones; a bool array: a pure mask). Off-diagonal tiles: the outer product of the
+        anchored factors ``e^{G_i − G_a} · e^{G_a − G_b} · e^{G_b − G_j}`` (each <= 1).
+        Diagonal tiles: ``exp`` of in-tile differences with the double ``where`` (the
+        upper triangle, whose differences may be huge and positive, never reaches ``exp``).
+        """
+        key = (I, J, strict and I == J)
+        if key in self._decay:
+            return self._decay[key]
+        if J < I:
+            d = None
+            for f in (self.fL[I], self.fR_row[J], self.m[I, J]):
+                if f is not None:
+                    d = f if d is None else d * f
+            if d is not None:
+                d = jnp.broadcast_to(d, (SUB, SUB))
+        else:
+            mask = self.diag_mask(I, strict)
+            if self.cfg.gate == "scalar":
+                diff = self.P[I] - self.P_row[I]
+                d = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+            else:
+                d = mask
+        self._decay[key] = d
+        return d
 
     def diag_loop(self, I, body, carry):
         """Run ``body(j, gam_j, carry)`` for the 16 columns ``j`` of diagonal tile ``I``.
@@ -269,43 +441,53 @@ class Chunk:
 def scores(cfg: Cfg, ch: Chunk, q, k, k_ref, want_m=True):
     """Tiles ``M[I][J]``, ``KK[I][J]`` for ``J <= I`` (lists of dicts), decayed and masked.
 
-    ``q``/``k``: per-tile ``[16, K]`` f32 lists (q already scaled). Off-diagonal
-    tiles by anchored matmuls; diagonal tiles column by column (gated) or by one
-    masked matmul (ungated).
+    ``q``/``k``: per-tile ``[16, K]`` f32 lists (q already scaled). Per-channel gates:
+    off-diagonal tiles by anchored matmuls; diagonal tiles column by column (exact) or by
+    one matmul anchored at the middle row (bounded gates). No per-channel gate: every
+    tile is a plain matmul times its ``[16, 16]`` decay (:meth:`Chunk.decay`).
     """
     nb = cfg.nb
+    M = [dict() for _ in range(nb)]
+    KK = [dict() for _ in range(nb)]
+    if not cfg.channel:
+        for I in range(nb):
+            for J in range(I + 1):
+                if want_m:
+                    M[I][J] = apply_decay(mm(cfg, q[I], k[J], tb=True), ch.decay(I, J))
+                KK[I][J] = apply_decay(sm(cfg, k[I], k[J], tb=True), ch.decay(I, J, strict=True))
+        return M, KK, None
     Lq = [_mul(q[I], ch.fL[I]) for I in range(nb)]
     Lk = [_mul(k[I], ch.fL[I]) for I in range(nb)]
     Rk = [_mul(k[J], ch.fR[J]) for J in range(nb)]
-    M = [dict() for _ in range(nb)]
-    KK = [dict() for _ in range(nb)]
     for I in range(nb):
         for J in range(I):
             mij = ch.m[I, J]
             if want_m:
                 M[I][J] = mm(cfg, _mul(Lq[I], mij), Rk[J], tb=True)
             KK[I][J] = sm(cfg, _mul(Lk[I], mij), Rk[J], tb=True)
-        if cfg.gated:
-            c16 = iota((1, SUB), 1)
-
-            def body(j, gam, c, I=I):
-                m_ii, kk_ii = c
-                gam = gam * load_rows(k_ref, I * SUB + j, 1)                        # [16, K]
-                if want_m:
-                    m_ii = m_ii + jnp.where(c16 == j, jnp.sum(q[I] * gam, axis=1, keepdims=True), 0.0)
-                kcol = jnp.sum(k[I] * gam, axis=1, keepdims=True)
-                kk_ii = kk_ii + jnp.where(c16 == j, jnp.where(ch.r16 > j, kcol, 0.0), 0.0)
-                return m_ii, kk_ii
-
-            z = jnp.zeros((SUB, SUB), F32)
-            m_ii, kk_ii = ch.diag_loop(I, body, (z, z))
+        if cfg.gate_bound is not None:
+            up, down = ch.anc[I]
+            kd = k[I] * down
             if want_m:
-                M[I][I] = m_ii
-            KK[I][I] = kk_ii
-        else:
+                M[I][I] = jnp.where(ch.diag_mask(I, False), mm(cfg, q[I] * up, kd, tb=True), 0.0)
+            KK[I][I] = jnp.where(ch.diag_mask(I, True), sm(cfg, k[I] * up, kd, tb=True), 0.0)
+            continue
+        c16 = iota((1, SUB), 1)
+
+        def body(j, gam, c, I=I):
+            m_ii, kk_ii = c
+            gam = gam * load_rows(k_ref, I * SUB + j, 1)                        # [16, K]
             if want_m:
-                M[I][I] = jnp.where(ch.diag_mask(I, False), mm(cfg, q[I], k[I], tb=True), 0.0)
-            KK[I][I] = jnp.where(ch.diag_mask(I, True), sm(cfg, k[I], k[I], tb=True), 0.0)
+                m_ii = m_ii + jnp.where(c16 == j, jnp.sum(q[I] * gam, axis=1, keepdims=True), 0.0)
+            kcol = jnp.sum(k[I] * gam, axis=1, keepdims=True)
+            kk_ii = kk_ii + jnp.where(c16 == j, jnp.where(ch.r16 > j, kcol, 0.0), 0.0)
+            return m_ii, kk_ii
+
+        z = jnp.zeros((SUB, SUB), F32)
+        m_ii, kk_ii = ch.diag_loop(I, body, (z, z))
+        if want_m:
+            M[I][I] = m_ii
+        KK[I][I] = kk_ii
     return M, KK, (Lq, Lk, Rk)
 
 

@@ -7,6 +7,11 @@ the compile time per kernel. Needs ``pip install triton==3.6.0`` (the device's v
 not imported by the package.
 
     python -m kernels.delta.triton_compile_check --gate kda --docs 1 --dtype bf16 --T 8192
+    python -m kernels.delta.triton_compile_check --gate all --dtype bf16,f32 --chunk_size 32,64
+
+``--gate``: ``kda`` (exact per-channel), ``kda_bounded`` (``gate_lower_bound=-5``), ``gdn``
+(scalar gate), ``none`` (DeltaNet) or ``all``; ``--dtype`` and ``--chunk_size`` take
+comma-separated lists (every combination is lowered and compiled).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import argparse
 import os
 import tempfile
 import time
+
+GATES = ("none", "gdn", "kda", "kda_bounded")
 
 
 def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None):
@@ -48,7 +55,14 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None):
                       chunk_size=chunk_size)
 
             def loss(q, k, v, g, b, S):
-                o, s = (api.chunk_kda(q, k, v, g, b, **kw) if gate == "kda" else api.chunk_delta_rule(q, k, v, b, **kw))
+                if gate == "kda":
+                    o, s = api.chunk_kda(q, k, v, g, b, **kw)
+                elif gate == "kda_bounded":
+                    o, s = api.chunk_kda(q, k, v, g, b, gate_lower_bound=-5.0, **kw)
+                elif gate == "gdn":
+                    o, s = api.chunk_gated_delta_rule(q, k, v, g[..., 0], b, **kw)
+                else:
+                    o, s = api.chunk_delta_rule(q, k, v, b, **kw)
                 return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
             return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))(q, k, v, g, b, S)
 
@@ -59,11 +73,12 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None):
     return count[0]
 
 
-def compile_all(outdir, num_warps=4):
+def compile_all(outdir, num_warps=4, label=""):
     import triton
     from triton.backends.compiler import GPUTarget
 
     ok = True
+    times = {}
     for name in sorted(os.listdir(outdir)):
         if not name.endswith(".ttir"):
             continue
@@ -71,25 +86,50 @@ def compile_all(outdir, num_warps=4):
         try:
             k = triton.compile(os.path.join(outdir, name), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": num_warps, "num_stages": 1})
-            print(f"{name:28s} OK   {time.time() - t:6.1f} s  shared={k.metadata.shared}", flush=True)
+            dt = time.time() - t
+            times[name] = dt
+            print(f"{label}{name:28s} OK   {dt:6.1f} s  shared={k.metadata.shared}", flush=True)
         except Exception as e:  # noqa: BLE001
             ok = False
-            print(f"{name:28s} FAIL {time.time() - t:6.1f} s  {str(e)[:800]}", flush=True)
-    return ok
+            print(f"{label}{name:28s} FAIL {time.time() - t:6.1f} s  {str(e)[:800]}", flush=True)
+    return ok, times
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gate", choices=("kda", "none"), default="kda")
+    ap.add_argument("--gate", default="kda", help="kda | kda_bounded | gdn | none | all (comma-separated)")
     ap.add_argument("--docs", type=int, default=0)
-    ap.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    ap.add_argument("--dtype", default="bf16", help="bf16 | f32 (comma-separated)")
     ap.add_argument("--T", type=int, default=8192)
-    ap.add_argument("--chunk_size", type=int, default=None)
+    ap.add_argument("--chunk_size", default=None, help="default (per target) or a comma-separated list")
+    ap.add_argument("--num_warps", type=int, default=4)
+    ap.add_argument("--keep_cache", action="store_true",
+                    help="use Triton's cache (default: a fresh one, so that every compile is timed)")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as d:
-        n = dump_ttir(d, args.gate, bool(args.docs), args.dtype, 2, args.T, 16, 128, 128, args.chunk_size)
-        print(f"{n} kernels lowered")
-        return 0 if compile_all(d) else 1
+    cache = None
+    if not args.keep_cache:
+        cache = tempfile.TemporaryDirectory()
+        os.environ["TRITON_CACHE_DIR"] = cache.name  # read when triton compiles
+    gates = GATES if args.gate == "all" else tuple(args.gate.split(","))
+    for g in gates:
+        if g not in GATES:
+            ap.error(f"--gate: unknown {g!r}")
+    chunks = [None] if args.chunk_size is None else [int(c) for c in args.chunk_size.split(",")]
+    ok, summary = True, []
+    for gate in gates:
+        for dtype in args.dtype.split(","):
+            for chunk in chunks:
+                label = f"[{gate} {dtype} C={chunk or 'default'}{' docs' if args.docs else ''}] "
+                with tempfile.TemporaryDirectory() as d:
+                    n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk)
+                    print(f"{label}{n} kernels lowered", flush=True)
+                    good, times = compile_all(d, args.num_warps, label)
+                    ok = ok and good
+                    summary.append((label, times))
+    print("\ncompile seconds per kernel:")
+    for label, times in summary:
+        print(f"  {label}" + "  ".join(f"{k.split('.')[0]}={v:.1f}" for k, v in times.items()))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

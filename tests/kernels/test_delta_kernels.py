@@ -1,9 +1,11 @@
 """Pallas chunked delta-rule kernels vs the XLA chunked form (CPU, ``interpret=True``).
 
 Forward output, final state and every gradient (dq, dk, dv, dβ, dg, dh0) for
-DeltaNet, Gated DeltaNet and KDA with odd T, an initial state and segment resets;
-gates at the lower bound −5 per token and unbounded gates (down to −1e3 per
-token, no NaN/Inf anywhere); bf16 inputs; the TPU-flavoured kernels (head-major
+DeltaNet, Gated DeltaNet (scalar-gate kernels), KDA (exact per-channel kernels) and
+bounded-gate KDA (``gate_lower_bound=-5``: anchored one-matmul diagonal tiles) with
+odd T, an initial state and segment resets; gates at the lower bound −5 per token,
+strong gates (−20 per token) and unbounded gates (down to −1e3 per token, no NaN/Inf
+anywhere); bf16 inputs; the TPU-flavoured kernels (head-major
 layout, grid-sequential state pass with a VMEM scratch, 64-token chunks); and
 that the kernels lower for Triton (``cuda``) and Mosaic (``tpu``) from this CPU.
 
@@ -22,7 +24,8 @@ from kernels.delta import api as kd
 from lineage_jax import memory as M
 
 B, T, H, K, V = 2, 75, 2, 16, 16  # odd T: 3 chunks of 32 (GPU flavour), 2 of 64 (TPU flavour)
-RULES = ("delta", "gdn", "kda")
+RULES = ("delta", "gdn", "kda", "kda_bounded")  # kda_bounded: chunk_kda(..., gate_lower_bound=-5)
+BOUND = -5.0
 
 
 def rel_err(a, b):
@@ -48,6 +51,11 @@ def make_inputs(seed, gates="uniform", dtype=np.float32):
     elif gates == "bound":  # the K3 lower bound: −5 per token (half of them), else mild
         gc = np.where(r.uniform(size=(B, T, H, K)) < 0.5, -5.0, -r.uniform(0, 0.1, (B, T, H, K)))
         gs = np.where(r.uniform(size=(B, T, H)) < 0.5, -5.0, -r.uniform(0, 0.1, (B, T, H)))
+    elif gates == "floor":  # every gate at the bound (the widest in-tile span, 16 × 5), a few at 0
+        gc, gs = np.full((B, T, H, K), -5.0), np.full((B, T, H), -5.0)
+        gc[:, 5::13], gs[:, 5::13] = 0.0, 0.0
+    elif gates == "strong":  # strong unbounded gates: about −20 per token
+        gc, gs = -r.uniform(18, 22, (B, T, H, K)), -r.uniform(18, 22, (B, T, H))
     else:  # unbounded: heavy-tailed, some tokens near −1e3, some exactly 0
         gc = -np.abs(r.standard_cauchy((B, T, H, K))) * 3.0
         gs = -np.abs(r.standard_cauchy((B, T, H))) * 3.0
@@ -74,10 +82,12 @@ def _rule(rule, backend, target=None, chunk_size=None):
             kw.update(target=target, interpret=True, chunk_size=chunk_size)
             if rule == "kda":
                 return kd.chunk_kda(q, k, v, g, beta, **kw)
+            if rule == "kda_bounded":
+                return kd.chunk_kda(q, k, v, g, beta, gate_lower_bound=BOUND, **kw)
             if rule == "gdn":
                 return kd.chunk_gated_delta_rule(q, k, v, gs, beta, **kw)
             return kd.chunk_delta_rule(q, k, v, beta, **kw)
-        if rule == "kda":
+        if rule in ("kda", "kda_bounded"):
             return M.kda(q, k, v, g, beta, backend="xla", **kw)
         if rule == "gdn":
             return M.gated_delta_rule(q, k, v, gs, beta, backend="xla", **kw)
@@ -113,7 +123,7 @@ def check(rule, x, docs, tol, **kw):
     assert rel_err(o1, o0) <= tol, ("o", rel_err(o1, o0))
     assert rel_err(s1, s0) <= tol, ("S", rel_err(s1, s0))
     used = {"delta": ("dq", "dk", "dv", "dbeta", "dS0"), "gdn": ("dq", "dk", "dv", "dgs", "dbeta", "dS0"),
-            "kda": ("dq", "dk", "dv", "dg", "dbeta", "dS0")}[rule]
+            "kda": ("dq", "dk", "dv", "dg", "dbeta", "dS0")}[rule.replace("_bounded", "")]
     for name in used:
         ref = np.asarray(g0[name], np.float32)
         if np.max(np.abs(ref)) == 0:
@@ -129,13 +139,13 @@ def test_fp32_forward_and_grads_match_xla(rule, docs):
     check(rule, make_inputs(0), docs, 1e-4)
 
 
-@pytest.mark.parametrize("rule", ["kda", "gdn"])
-@pytest.mark.parametrize("gates", ["bound", "unbounded"])
+@pytest.mark.parametrize("rule,gates", [(r, g) for r in ("kda", "gdn") for g in ("bound", "strong", "unbounded")]
+                         + [("kda_bounded", "bound"), ("kda_bounded", "floor")])
 def test_extreme_gates(rule, gates):
     check(rule, make_inputs(1, gates=gates), True, 1e-4)
 
 
-@pytest.mark.parametrize("rule", ["kda", "delta"])
+@pytest.mark.parametrize("rule", ["kda", "delta", "gdn", "kda_bounded"])
 def test_bf16_inputs(rule):
     x = make_inputs(2, dtype=jnp.bfloat16)
     check(rule, x, True, 1e-2)
@@ -149,13 +159,19 @@ def test_tpu_flavour_in_interpret_mode():
     check("kda", make_inputs(3), True, 1e-4, target="tpu")
 
 
-def test_four_tile_chunks_on_gpu_flavour():
+@pytest.mark.parametrize("rule", ["kda", "gdn", "kda_bounded"])
+def test_four_tile_chunks_on_gpu_flavour(rule):
     """chunk_size=64: four 16-row tiles, six off-diagonal tile pairs."""
-    check("kda", make_inputs(4, gates="bound"), True, 1e-4, target="gpu", chunk_size=64)
+    check(rule, make_inputs(4, gates="bound"), True, 1e-4, target="gpu", chunk_size=64)
+
+
+@pytest.mark.parametrize("rule", ["gdn", "kda_bounded"])
+def test_tpu_flavour_new_gate_paths(rule):
+    check(rule, make_inputs(3, gates="bound"), True, 1e-4, target="tpu")
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("rule", ["kda", "delta"])
+@pytest.mark.parametrize("rule", ["kda", "delta", "gdn", "kda_bounded"])
 def test_kernels_lower(platform, rule):
     """The forward and backward kernels lower to Triton / Mosaic (what the CPU can check)."""
     sd = jax.ShapeDtypeStruct
@@ -168,7 +184,14 @@ def test_kernels_lower(platform, rule):
     def f(q, k, v, g, beta, S0, seg):
         def loss(q, k, v, g, beta, S0):
             kw = dict(initial_state=S0, segment_ids=seg, target=target, interpret=False)
-            o, S = (kd.chunk_kda(q, k, v, g, beta, **kw) if rule == "kda" else kd.chunk_delta_rule(q, k, v, beta, **kw))
+            if rule == "kda":
+                o, S = kd.chunk_kda(q, k, v, g, beta, **kw)
+            elif rule == "kda_bounded":
+                o, S = kd.chunk_kda(q, k, v, g, beta, gate_lower_bound=BOUND, **kw)
+            elif rule == "gdn":
+                o, S = kd.chunk_gated_delta_rule(q, k, v, g[..., 0], beta, **kw)
+            else:
+                o, S = kd.chunk_delta_rule(q, k, v, beta, **kw)
             return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))(q, k, v, g, beta, S0)
 
@@ -201,3 +224,14 @@ def test_backend_errors():
         M.kda(q, k, v, jnp.asarray(x["g"]), beta, backend="pallas", mode="recurrent")
     with pytest.raises(ValueError, match="chunk_size"):
         kd.chunk_delta_rule(q, k, v, beta, chunk_size=48)
+
+
+def test_gate_lower_bound_errors():
+    x = make_inputs(7, gates="unbounded")
+    q, k, v, g, gs, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "gs", "beta"))
+    with pytest.raises(ValueError, match="gates reach"):  # concrete gates below the bound
+        kd.chunk_kda(q, k, v, g, beta, gate_lower_bound=BOUND)
+    with pytest.raises(ValueError, match="gate_lower_bound"):  # outside [-10, 0)
+        kd.chunk_kda(q, k, v, jnp.maximum(g, -5.0), beta, gate_lower_bound=-20.0)
+    with pytest.raises(ValueError, match="per-channel"):  # scalar gates need no bound
+        kd.chunk_gated_delta_rule(q, k, v, gs, beta, gate_lower_bound=BOUND)
