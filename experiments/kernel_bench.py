@@ -385,7 +385,7 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                     else:
                         f = jax.jit(lambda q, k, v, do: jax.vjp(att, q, k, v)[1](do))
                         ms = time_jax(f, x["q"], x["k"], x["v"], x["do"], reps=reps)
-                except Exception as ex:  # noqa: BLE001
+                except Exception:  # noqa: BLE001
                     traceback.print_exc()
                     ms = None
                 rows.append(dict(B=B, T=T, rule="attention", method="cudnn", mode=mode, ms=ms,

@@ -152,10 +152,12 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
             "accuracy": acc, "final_loss": losses[-1], "loss_curve": losses, "train_s": train_s,
             "decode_ms_per_token": T.decode_ms_per_token(model, b.vocab, b.decode_context, b.decode_tokens, seed=seed),
         })
+        # Written after every architecture: a run stopped early keeps what it measured.
+        partial = dict(record, rows=rows, prediction_check=check_predictions(rows),
+                       complete=len(rows) == len(archs))
+        result = C.finish(partial, NAME, out, plot(rows, b))
     bar.close()
-    record["rows"] = rows
-    record["prediction_check"] = check_predictions(rows)
-    return C.finish(record, NAME, out, plot(rows, b))
+    return result
 
 
 def check_predictions(rows: list[dict]) -> dict:

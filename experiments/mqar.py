@@ -1,0 +1,348 @@
+"""Zoology's MQAR sweep: which memories recall N key-value pairs, and how wide must they be?
+
+    python -m experiments.mqar [--quick] [--out results] [--archs gpt2,deltanet,...]
+        [--lengths 64,128,256:16] [--widths 64,128,256] [--lrs 1e-4,1e-3] [--steps N] [--seed S]
+    python -m experiments.mqar --merge results_a,results_b --out results    # join split calls
+
+Multi-query associative recall (Arora, Eyuboglu et al., *Zoology*, 2023, Figure 2): a
+sequence of ``L`` tokens binds ``N`` keys to values, then queries every key once at
+power-law gaps (``lineage_jax.data.MQAR``, Zoology's ``power_a = 0.01``, zeros between
+queries as in Zoology's Figure 2). **Measured:** argmax accuracy over every query position
+of 1000 held-out sequences, for each architecture × ``(L, N)`` × ``d_model``, best of four
+learning rates. **Grid** (Zoology's): vocab 8192; ``(L, N)`` ∈ {(64, 4), (128, 8),
+(256, 16), (512, 64)}; ``d_model`` ∈ {64, 128, 256}; 2 layers; learning rates
+``np.logspace(-4, -2, 4)`` = 1e-4, 4.6e-4, 2.2e-3, 1e-2 (Zoology's sweep).
+
+**Architectures**: the scorecard's eight (``scorecard.KEYS``), each cut to two layers —
+``SS`` GPT-2 (learned positions), ``LL`` linear attention, ``DD`` DeltaNet, ``GG`` Gated
+DeltaNet, ``KK`` KDA, ``MM`` MLA (RoPE), and the hybrids as ``KM``: a 1:1 KDA+MLA stack is
+the only hybrid two layers allow (the 3:1 ratio needs four). ``kimi_linear`` keeps Kimi
+Linear's FFN (dense first layer, then 8-expert top-2 MoE + a shared expert);
+``k3`` adds K3's latent MoE, SiTU, the bounded KDA gate, gated outputs and AttnRes
+(one block of both layers). MQAR exercises the token mixers, so the two ``KM`` rows differ
+only off the mixer path; they are kept because they are scorecard rows (drop them with
+``--archs``).
+
+**Fairness**: every architecture gets the same width, 64-wide heads (1/2/4 heads at
+d = 64/128/256, so every fixed-state memory holds ``d × 64`` numbers per layer), FFN 4d,
+optimizer (AdamW, warmup + cosine, wd 0.1, clip 1), steps, tokens per step (Zoology's:
+16K, batch 256/128/64/32 at L = 64/128/256/512) and the *same* training sequences in the
+same order (one pre-generated training set per length, shared by every architecture,
+width and learning rate). Each architecture is scored at its best learning rate, chosen on
+the held-out accuracy — what Zoology reports.
+
+**Cost**: the four learning rates train as one program (``trainer.LRSweep``: four stacked
+copies under ``jax.vmap``, updates scaled by ``lr_i / max(lr)``, which for decoupled AdamW is
+exactly training at ``lr_i``), in on-device ``lax.scan`` chunks over a device-resident
+dataset, and upcoming runs compile in a thread pool while one trains.
+
+**Budgets**: Zoology trains 64 epochs of 100K sequences (~25K steps); the full default here
+is 600 steps (10M tokens) per run on up to 100K distinct sequences per length. Measured on
+one H200 with ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`` (Triton GEMM autotuning
+dominates these small models' compile time; with it off a run compiles ~3× faster and steps
+no slower, while ``--xla_gpu_autotune_level=0`` made steps ~2.5× slower): a step of the four
+copies takes 15-40 ms at d = 128 (GPT-2 15, DeltaNet 22, K3-style 24, KDA 40 ms), a run
+compiles in 20-40 s (hidden behind training); the 96-run grid takes ~25-35 minutes. Split it
+by ``--lengths`` into calls of ~7 minutes and join them with ``--merge``; the record is also
+written after every length (``complete: false`` until the last), so a call stopped by a time
+limit keeps what it finished. What 600 steps buys (measured): DeltaNet solves (64, 4) within
+300 steps and (256, 16) within ~750; KDA reaches 51% on (64, 4) at 300 steps; GPT-2 with
+learned positions learns slowest (26% on (64, 4) after 1500 steps). So read the plot as
+"recall learned within a fixed, modest budget" — ease of optimization is part of what it
+shows; Zoology's "attention solves MQAR" is a statement at convergence.
+``--quick`` (2 CPU cores, 2-3 minutes): GPT-2 and DeltaNet, (L, N) = (64, 4), d = 64,
+vocab 512, two learning rates, 150 steps of 4K tokens — a smoke run of the pipeline, not a
+result (though DeltaNet already recalls most pairs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from experiments import common as C
+from experiments import scorecard as S
+from experiments import trainer as T
+from lineage_jax import accounting
+from lineage_jax import data as D
+from lineage_jax.models import ModelConfig
+
+NAME = "mqar"
+ZOOLOGY_PAIRS = {64: 4, 128: 8, 256: 16, 512: 64}  # sequence length -> key-value pairs (Zoology Figure 2)
+ZOOLOGY_LRS = tuple(float(f"{lr:.3g}") for lr in np.logspace(-4, -2, 4))  # 1e-4, 4.64e-4, 2.15e-3, 1e-2
+KEYS = tuple(S.KEYS)  # gpt2, linear, deltanet, gdn, kda, mla, kimi_linear, k3
+HEAD_DIM = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    archs: tuple[str, ...]
+    lengths: tuple[tuple[int, int], ...]  # (L, N pairs)
+    widths: tuple[int, ...]
+    lrs: tuple[float, ...]
+    steps: int
+    tokens_per_step: int  # batch = tokens_per_step // L
+    vocab: int
+    max_train_rows: int  # distinct training sequences per length: min(steps × batch, this)
+    test_rows: int
+    layers: int = 2
+
+
+FULL = Budget(archs=KEYS, lengths=tuple(ZOOLOGY_PAIRS.items()), widths=(64, 128, 256), lrs=ZOOLOGY_LRS, steps=600,
+              tokens_per_step=1 << 14, vocab=8192, max_train_rows=100_000, test_rows=1000)
+QUICK = Budget(archs=("gpt2", "deltanet"), lengths=((64, 4),), widths=(64,), lrs=(2.15e-3, 1e-2), steps=150,
+               tokens_per_step=1 << 12, vocab=512, max_train_rows=9600, test_rows=128)
+
+
+# ----------------------------------------------------------------------------
+# Architectures and configs (shared with experiments.niah).
+# ----------------------------------------------------------------------------
+def architectures(keys: Optional[Sequence[str]], layers: int, arg: str = "archs") -> list[tuple[str, str, str, dict]]:
+    """``(key, label, pattern, extra)`` of the scorecard's architectures, cut to ``layers`` layers.
+
+    A pure pattern keeps its letter (``SSSS`` -> ``SS``); a hybrid keeps its last layer's mixer
+    and fills the rest with the first (``KKKM`` -> ``KM``: 1:1 is all two layers allow).
+    """
+    keys = KEYS if keys is None else tuple(keys)
+    unknown = [k for k in keys if k not in S.KEYS]
+    if unknown or not keys:
+        raise ValueError(f"{arg}: unknown architecture(s) {unknown or keys!r}; valid: {','.join(KEYS)}")
+    table = {label: (pattern, extra) for label, pattern, extra in S.ARCHITECTURES}
+    out = []
+    for key in keys:
+        pattern, extra = table[S.KEYS[key]]
+        pattern = pattern[0] * (layers - 1) + pattern[-1]
+        extra = dict(extra, attnres_block=min(extra["attnres_block"], layers)) if "attnres_block" in extra else extra
+        out.append((key, S.KEYS[key], pattern, extra))
+    return out
+
+
+def check_widths(widths: Sequence[int], arg: str = "widths") -> tuple[int, ...]:
+    """Widths must give whole 64-wide heads (or one narrower head, a multiple of 16)."""
+    for d in widths:
+        if not isinstance(d, (int, np.integer)) or d <= 0:
+            raise ValueError(f"{arg}: d_model must be a positive int, got {d!r}")
+        if d % 16 or (d > HEAD_DIM and d % HEAD_DIM):
+            raise ValueError(f"{arg}: d_model={d} must be a multiple of 16, and of {HEAD_DIM} above {HEAD_DIM}")
+    if not widths:
+        raise ValueError(f"{arg}: give at least one d_model")
+    return tuple(dict.fromkeys(int(d) for d in widths))
+
+
+def model_config(label: str, pattern: str, extra: dict, d_model: int, seq_len: int, vocab: int) -> ModelConfig:
+    """The scorecard's config recipe (FFN 4d, MoE experts d wide, MLA sizes from the head) at this
+    width, with 64-wide heads, room for ``seq_len`` positions and a chunk of up to 64 tokens."""
+    b = dataclasses.replace(S.FULL, d_model=d_model, head_dim=min(HEAD_DIM, d_model), seq_len=seq_len, vocab=vocab,
+                            decode_context=seq_len, decode_tokens=0)
+    return S.model_config(label, pattern, extra, b).replace(chunk_size=min(64, seq_len))
+
+
+# ----------------------------------------------------------------------------
+# The sweep.
+# ----------------------------------------------------------------------------
+def parse_lengths(items: Sequence, arg: str = "lengths") -> tuple[tuple[int, int], ...]:
+    """``64`` (Zoology's N for that L) or ``"256:16"`` (explicit N) -> ``(L, N)`` pairs."""
+    out = []
+    for item in items:
+        try:
+            L, N = (int(v) for v in str(item).split(":")) if ":" in str(item) else (int(item), ZOOLOGY_PAIRS[int(item)])
+        except (KeyError, ValueError):
+            raise ValueError(f"{arg}: {item!r} is not one of Zoology's lengths {sorted(ZOOLOGY_PAIRS)} "
+                             "nor of the form L:pairs") from None
+        if L < 4 * N or N < 1:
+            raise ValueError(f"{arg}: {item!r} needs pairs >= 1 and L >= 4 × pairs")
+        out.append((L, N))
+    if not out:
+        raise ValueError(f"{arg}: give at least one length")
+    return tuple(dict.fromkeys(out))
+
+
+def make_budget(quick: bool, archs=None, lengths=None, widths=None, lrs=None, steps=None) -> Budget:
+    b = QUICK if quick else FULL
+    if lrs is not None and (not lrs or any(not lr > 0 for lr in lrs)):
+        raise ValueError(f"lrs: need positive learning rates, got {lrs!r}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps: must be >= 1, got {steps}")
+    b = dataclasses.replace(
+        b, archs=tuple(dict.fromkeys(a[0] for a in architectures(archs or b.archs, b.layers))),
+        lengths=b.lengths if lengths is None else parse_lengths(lengths),
+        widths=b.widths if widths is None else check_widths(widths),
+        lrs=b.lrs if lrs is None else tuple(float(lr) for lr in lrs), steps=steps or b.steps)
+    for L, N in b.lengths:
+        if L > b.tokens_per_step:
+            raise ValueError(f"lengths: L={L} exceeds the {b.tokens_per_step} tokens of a step")
+        try:
+            D.get_task("mqar", vocab_size=b.vocab, seq_len=L, num_kv_pairs=N)
+        except ValueError as e:
+            raise ValueError(f"lengths: {L}:{N}: {e}") from None
+    return b
+
+
+def datasets(b: Budget, L: int, N: int, seed: int) -> tuple[dict, dict]:
+    """The shared training set and the held-out test set for one length (host arrays)."""
+    kw = dict(vocab_size=b.vocab, seq_len=L, num_kv_pairs=N, random_non_queries=False)
+    train = T.stack_rows(D.get_task("mqar", seed=seed, **kw), train_rows(b, L))
+    test = T.stack_rows(D.get_task("mqar", seed=seed + 1_000_003, **kw), b.test_rows)
+    return train, test
+
+
+def train_rows(b: Budget, L: int) -> int:
+    return min(b.steps * (b.tokens_per_step // L), b.max_train_rows)
+
+
+def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optional[int] = None,
+        archs: Optional[list[str]] = None, widths: Optional[list[int]] = None, lengths: Optional[list] = None,
+        lrs: Optional[list[float]] = None, compile_workers: Optional[int] = None,
+        merge: Optional[list[str]] = None) -> dict:
+    """Train and score every architecture × length × width, best of ``lrs`` (see the module doc).
+
+    ``merge``: instead of training, combine the runs of earlier calls (their ``--out`` roots or
+    ``mqar.json`` paths; e.g. one call per ``--lengths``) into one record, table and plot.
+    """
+    if merge:
+        return merged(merge, out)
+    b = make_budget(quick, archs, lengths, widths, lrs, steps)
+    plan = [(L, N, d, arch) for L, N in b.lengths for d in b.widths for arch in architectures(b.archs, b.layers)]
+    jobs = []
+    for L, N, d, (key, label, pattern, extra) in plan:
+        sweep = T.LRSweep(model_config(label, pattern, extra, d, L, b.vocab), lrs=b.lrs, steps=b.steps,
+                          batch=b.tokens_per_step // L, seed=seed)
+        jobs.append((sweep, dict(train_rows=train_rows(b, L), seq_len=L, eval_shapes=[(len(b.lrs), b.test_rows, L)])))
+
+    record = C.provenance(NAME, quick)
+    record["budget"] = dataclasses.asdict(b)
+    results, on_device, t_start = [], {}, time.perf_counter()
+    bar = C.progress(desc="mqar", total=b.steps * len(plan), unit="step")
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mqar-data") as data_pool:
+        host = {(L, N): data_pool.submit(datasets, b, L, N, seed) for L, N in b.lengths}  # generated ahead, in order
+        compiled = T.compiled_ahead(jobs, compile_workers)
+        for i, ((L, N, d, (key, label, pattern, _)), (sweep, compile_s)) in enumerate(zip(plan, compiled)):
+            if (L, N) not in on_device:
+                on_device = {(L, N): jax.device_put(host.pop((L, N)).result())}  # one length at a time
+            train, test = on_device[(L, N)]
+            t0 = time.perf_counter()
+            losses = sweep.train(train, bar=bar)
+            train_s = time.perf_counter() - t0
+            acc = sweep.accuracy(test)
+            best = int(np.argmax(acc))
+            results.append({
+                "arch": key, "architecture": label, "pattern": pattern, "seq_len": L, "num_kv_pairs": N,
+                "d_model": d, "params": accounting.param_counts(sweep.cfg)["total"], "batch": sweep.batch,
+                "lrs": list(b.lrs), "accuracy_per_lr": acc, "final_loss_per_lr": losses[-1],
+                "best_lr": b.lrs[best], "best_accuracy": acc[best], "loss_curve": losses[:, best],
+                "train_s": train_s, "compile_s": compile_s,
+            })
+            if i + 1 == len(plan) or plan[i + 1][:2] != (L, N):  # a length done: save (a stopped run keeps it)
+                done = dict(record, runs=results, wall_s=time.perf_counter() - t_start,
+                            complete=len(results) == len(plan))
+                saved = C.finish(done, NAME, out, plot(results, b))
+    bar.close()
+    return saved
+
+
+def merged(sources: Sequence[str], out: str) -> dict:
+    """One record from the records of several calls (same steps, vocab and lrs; disjoint runs)."""
+    records = []
+    for src in sources:
+        path = Path(src) if str(src).endswith(".json") else Path(src) / NAME / f"{NAME}.json"
+        if not path.is_file():
+            raise ValueError(f"merge: no {NAME} record at {str(path)!r}")
+        records.append(json.loads(path.read_text()))
+    same = ("steps", "vocab", "lrs", "tokens_per_step", "layers")
+    for r in records[1:]:
+        diff = [k for k in same if r["budget"][k] != records[0]["budget"][k]]
+        if diff:
+            raise ValueError(f"merge: records differ in {diff}; merge only calls of one budget")
+    runs = [run for r in records for run in r["runs"]]
+    keys = [(r["arch"], r["seq_len"], r["num_kv_pairs"], r["d_model"]) for r in runs]
+    if len(set(keys)) < len(keys):
+        raise ValueError("merge: the same (architecture, length, width) run appears in more than one record")
+    budget = dict(records[0]["budget"], archs=list(dict.fromkeys(r["arch"] for r in runs)),
+                  lengths=sorted({(r["seq_len"], r["num_kv_pairs"]) for r in runs}),
+                  widths=sorted({r["d_model"] for r in runs}))
+    record = dict(records[0], budget=budget, runs=runs, wall_s=sum(r["wall_s"] for r in records),
+                  complete=all(r.get("complete", True) for r in records), merged_from=[str(s) for s in sources])
+    b = Budget(**{k: tuple(map(tuple, v)) if k == "lengths" else tuple(v) if isinstance(v, list) else v
+                  for k, v in budget.items()})
+    return C.finish(record, NAME, out, plot(runs, b))
+
+
+# ----------------------------------------------------------------------------
+# Reporting.
+# ----------------------------------------------------------------------------
+def plot(results: list[dict], b: Budget):
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({(r["seq_len"], r["num_kv_pairs"]) for r in results})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths) + 1.5, 4), sharey=True, squeeze=False)
+    archs = list(dict.fromkeys(r["architecture"] for r in results))
+    for ax, (L, N) in zip(axes[0], lengths):
+        for i, arch in enumerate(archs):
+            pts = sorted((r["d_model"], r["best_accuracy"]) for r in results
+                         if r["architecture"] == arch and r["seq_len"] == L and r["num_kv_pairs"] == N)
+            ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=arch)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(b.widths, [str(w) for w in b.widths])
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("model dimension")
+        ax.set_title(f"L = {L}, {N} key-value pairs")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"MQAR accuracy (best of {len(b.lrs)} lrs)")
+    axes[0][-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
+    fig.suptitle(f"MQAR, {b.layers} layers, vocab {b.vocab}, {b.steps} steps × {b.tokens_per_step} tokens")
+    fig.tight_layout()
+    return fig
+
+
+def table(record: dict) -> str:
+    b, runs = record["budget"], record["runs"]
+    widths = sorted({r["d_model"] for r in runs})
+    cell = {(r["architecture"], r["seq_len"], r["num_kv_pairs"], r["d_model"]): r for r in runs}
+    rows = []
+    for arch in dict.fromkeys(r["architecture"] for r in runs):
+        for L, N in sorted({(r["seq_len"], r["num_kv_pairs"]) for r in runs}):
+            row = [arch, f"{L}/{N}"]
+            for d in widths:
+                r = cell.get((arch, L, N, d))
+                row.append("-" if r is None else f"{r['best_accuracy']:.3f} @{r['best_lr']:.0e}")
+            train_s = [cell[k]["train_s"] for k in cell if k[:3] == (arch, L, N)]
+            rows.append(row + [f"{sum(train_s):.1f}"])
+    title = (f"MQAR ({'quick' if record['quick'] else 'full'}: {b['layers']} layers, vocab {b['vocab']}, "
+             f"{b['steps']} steps × {b['tokens_per_step']} tokens, best of lrs {b['lrs']}; "
+             f"device {record['device']['description']}; wall {record['wall_s']:.0f} s)")
+    headers = ["architecture", "L/pairs", *[f"d={d}: acc @lr" for d in widths], "train s"]
+    return C.format_table(headers, rows, title)
+
+
+def floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",")]
+
+
+def main(argv=None) -> dict:
+    parser = C.make_parser(NAME, __doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=C.positive_int, default=None, help="training steps per run")
+    parser.add_argument("--archs", type=lambda t: t.split(","), default=None,
+                        help=f"comma-separated subset of: {','.join(KEYS)}")
+    parser.add_argument("--widths", type=lambda t: [int(v) for v in t.split(",")], default=None,
+                        help="comma-separated d_model values (default 64,128,256)")
+    parser.add_argument("--lengths", type=lambda t: t.split(","), default=None,
+                        help="comma-separated L (Zoology's pairs: 64:4,128:8,256:16,512:64) or L:pairs")
+    parser.add_argument("--lrs", type=floats, default=None, help="comma-separated peak learning rates")
+    parser.add_argument("--compile-workers", type=C.positive_int, default=None,
+                        help="threads compiling upcoming runs (default: cores - 1, at most 8)")
+    parser.add_argument("--merge", type=lambda t: t.split(","), default=None,
+                        help="comma-separated --out roots (or mqar.json files) of earlier calls: combine them into "
+                             "one record, table and plot instead of training")
+    return C.main_for(NAME, parser, run, table, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The decode-scaling, AttnRes and LM experiments run end to end at their smallest settings.
+
+Checked: the JSON record's structure and finite numbers, a real PNG, the decode cache's
+measured bytes equal to the accountant's prediction (exactly), the LM's parameter matching,
+the AttnRes probe reproducing the model's logits, and clear errors for bad arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import attnres as AR
+from experiments import decode_scaling as DS
+from experiments import lm as LM
+from lineage_jax.models import Decoder
+
+
+def _load(record: dict) -> dict:
+    js, png = Path(record["files"]["json"]), Path(record["files"]["png"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    on_disk = json.loads(js.read_text())
+    for key in ("experiment", "date", "git_commit", "jax_version", "device", "budget"):
+        assert key in on_disk
+    return on_disk
+
+
+def _finite(*values):
+    for v in values:
+        assert v is not None and math.isfinite(v), values
+
+
+# ----------------------------------------------------------------------------- decode scaling
+@pytest.fixture(scope="module")
+def decode_record(tmp_path_factory):
+    return DS.run(quick=True, out=str(tmp_path_factory.mktemp("results")), only=["mha", "kda", "hybrid"],
+                  contexts=[64, 256], steps=2, max_batch=2)
+
+
+def test_decode_scaling_structure_and_exact_bytes(decode_record):
+    rec = _load(decode_record)
+    assert {r["arch"] for r in rec["rows"]} == {"mha", "kda", "hybrid"}
+    assert len(rec["rows"]) == 3 * 2 * len(DS.MODES)
+    for r in rec["rows"]:
+        assert r["status"] == "ok", r
+        assert r["cache_bytes"] == r["predicted"]["total"] and r["matches_accounting"]
+        assert r["batch"] == (1 if r["mode"] == "batch1" else 2)
+        _finite(r["ms_per_step"], r["ms_per_token"], r["tokens_per_s"])
+    by = {(r["arch"], r["context"], r["mode"]): r for r in rec["rows"]}
+    # The KV cache grows 4× with 4× the context; the KDA state does not grow at all.
+    mha = by[("mha", 256, "batch1")]["predicted"]["growing"] / by[("mha", 64, "batch1")]["predicted"]["growing"]
+    assert mha == 4
+    assert by[("kda", 256, "batch1")]["cache_bytes"] == by[("kda", 64, "batch1")]["cache_bytes"]
+    assert by[("mha", 64, "fill")]["cache_bytes"] == 2 * by[("mha", 64, "batch1")]["cache_bytes"]
+    sp = rec["speedups"]["per_context"]["256"]
+    _finite(sp["batch1"]["hybrid_vs_mha"], sp["fill"]["kda_vs_mha"])
+    assert sp["batch1"]["hybrid_vs_mla"] is None  # MLA was not run
+    assert rec["speedups"]["headline"]["hybrid_vs_mha"]["fill"]["context"] == 256
+    assert "Kimi Linear" in DS.table(rec) and "exact" in DS.table(rec)
+
+
+def test_decode_scaling_does_not_fit_is_recorded(tmp_path):
+    rec = DS.run(quick=True, out=str(tmp_path), only=["mha"], contexts=[64], steps=2, device_memory_gb=1e-6)
+    assert [r["status"] for r in rec["rows"]] == ["does not fit"] * len(DS.MODES)
+    assert "does not fit" in DS.table(rec)
+
+
+def test_fill_batch():
+    assert DS.fill_batch(per_sequence=10, budget_bytes=95, cap=100) == 9
+    assert DS.fill_batch(per_sequence=10, budget_bytes=95, cap=4) == 4
+    assert DS.fill_batch(per_sequence=10, budget_bytes=-5, cap=4) == 0
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(only=["mamba"]), "only"),
+    (dict(contexts=[3]), "contexts"),
+    (dict(layers=6), "layers"),
+    (dict(device_memory_gb=-1.0), "device_memory_gb"),
+])
+def test_decode_scaling_rejects_bad_args(tmp_path, kwargs, arg):
+    with pytest.raises(ValueError, match=arg):
+        DS.run(quick=True, out=str(tmp_path), **kwargs)
+
+
+# ----------------------------------------------------------------------------- LM
+@pytest.mark.parametrize("quick", [True, False])
+def test_lm_parameters_matched(quick):
+    b = LM.make_budget(quick, archs=LM.KEYS)
+    main, ablation = LM.architecture_table(b)
+    target = LM.budget_params(main[0][2], b.match)
+    counts = {}
+    for key, _, cfg in main + ablation:
+        matched = LM.match_params(cfg, target, b.match, b.tolerance)
+        counts[key] = LM.budget_params(matched, b.match)
+        assert abs(counts[key] / target - 1) <= b.tolerance, (key, counts[key], target)
+    assert counts["gpt2"] == target
+    assert set(counts) == set(LM.KEYS) | {ratio for ratio, _ in LM.ABLATION}
+
+
+def test_lm_end_to_end(tmp_path):
+    rec = _load(LM.run(quick=True, out=str(tmp_path), archs=["linear"], steps=4, no_ablation=True))
+    (row,) = rec["rows"]
+    assert row["key"] == "linear" and row["pattern"] == "L" * 8
+    assert abs(row["match_error"]) <= rec["budget"]["tolerance"]
+    assert len(row["val_curve"]) == len(row["val_steps"]) == rec["budget"]["evals"]
+    _finite(row["val_loss"], *row["val_curve"], *row["train_curve"])
+    assert row["val_loss"] < math.log(256) + 0.5  # no worse than uniform over bytes, give or take
+    assert "bits/byte" in LM.table(rec)
+
+
+@pytest.mark.slow
+def test_lm_quick_with_ablation(tmp_path):
+    rec = _load(LM.run(quick=True, out=str(tmp_path), archs=["kda"], steps=4))
+    abl = [r for r in rec["rows"] if r["section"] == "ablation"]
+    assert [r["key"] for r in abl] == [ratio for ratio, _ in LM.ABLATION]
+    assert "best ratio here" in LM.table(rec)
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(archs=["mamba"]), "archs"),
+    (dict(match="some"), "match"),
+    (dict(lrs=[-1.0]), "lrs"),
+    (dict(steps=1), "steps"),
+])
+def test_lm_rejects_bad_args(tmp_path, kwargs, arg):
+    with pytest.raises(ValueError, match=arg):
+        LM.run(quick=True, out=str(tmp_path), **kwargs)
+
+
+# ----------------------------------------------------------------------------- AttnRes
+@pytest.mark.parametrize("attnres, layers", [(True, 4), (False, 4), (True, 5)])
+def test_attnres_probe_reproduces_the_forward(attnres, layers):
+    b = AR.make_budget(True, layers=layers, block=2)
+    model = Decoder(AR.model_config(b, attnres), rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, LM.VOCAB)
+    profile = AR.residual_rms(model, tokens)
+    np.testing.assert_allclose(np.asarray(profile["logits"]), np.asarray(model(tokens)), rtol=1e-5, atol=1e-5)
+    assert profile["hidden"].shape == (layers + 1,) and profile["ffn_out"].shape == (layers,)
+    assert np.all(np.isfinite(profile["hidden"])) and np.all(profile["hidden"] > 0)
+
+
+def test_steps_to_reach():
+    assert AR.steps_to_reach([10, 20, 30], [3.0, 2.0, 1.0], 1.5) == pytest.approx(25.0)
+    assert AR.steps_to_reach([10, 20], [3.0, 2.0], 3.5) == 10.0
+    assert AR.steps_to_reach([10, 20], [3.0, 2.0], 1.0) is None
+
+
+def test_attnres_end_to_end(tmp_path):
+    rec = _load(AR.run(quick=True, out=str(tmp_path), layers=2, block=1, steps=6, baseline_budgets=[1.5]))
+    assert set(rec["models"]) == {"plain", "attnres"}
+    for m in rec["models"].values():
+        assert len(m["hidden"]) == 3 and len(m["val_curve"]) == rec["budget"]["evals"]
+        _finite(m["val_loss"], *m["hidden"], *m["val_curve"])
+    adv = rec["advantage"]
+    assert (adv["advantage"] is None) != (adv["advantage_at_least"] is None)
+    assert adv["baseline_steps"][-1] == 9  # 1.5 × 6 steps
+    assert "compute advantage" in AR.table(rec)
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(block=99), "block"),
+    (dict(baseline_budgets=[0.5]), "baseline_budgets"),
+    (dict(layers=1), "layers"),
+    (dict(steps=2), "steps"),
+])
+def test_attnres_rejects_bad_args(tmp_path, kwargs, arg):
+    with pytest.raises(ValueError, match=arg):
+        AR.run(quick=True, out=str(tmp_path), **kwargs)
+
+
+def test_cli_rejects_bad_flag(capsys):
+    with pytest.raises(SystemExit):
+        DS.main(["--quick", "--steps", "0"])
+    assert "--steps" in capsys.readouterr().err

@@ -1,0 +1,135 @@
+"""MQAR and NIAH experiments end to end at the smallest sizes, and the learning-rate sweep's exactness.
+
+The sweep test is the one that matters for the results: training four learning rates as
+one vmapped program must be the same as training each alone.
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import mqar as M
+from experiments import niah as N
+from experiments import trainer as T
+from lineage_jax import data as D
+from lineage_jax.models import ModelConfig
+from lineage_jax.train.step import init_state, make_train_step
+
+
+def _rel(a, b) -> float:
+    a, b = (np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(t)]) for t in (a, b))
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def test_lr_sweep_equals_sequential_single_lr_training():
+    # One softmax layer with an MoE FFN: its router biases (`rest`) are updated outside the optimizer.
+    cfg = ModelConfig(vocab_size=64, d_model=32, pattern="S", num_heads=2, head_dim=16, max_seq_len=16,
+                      num_experts=4, top_k=2, moe_hidden=16)
+    data = T.stack_rows(D.get_task("mqar", vocab_size=64, seq_len=16, num_kv_pairs=2), 24)
+    lrs, steps, batch = (1e-3, 1e-2), 4, 8
+    sweep = T.LRSweep(cfg, lrs=lrs, steps=steps, batch=batch, seed=3, log_every=1)
+    losses = sweep.train(data)
+    assert losses.shape == (steps, len(lrs))
+    order = T.epoch_batches(len(data["tokens"]), batch, steps, seed=3)
+    for i, lr in enumerate(lrs):
+        tc = dataclasses.replace(sweep.tc, lr=lr)
+        graphdef, state, tx = init_state(cfg, tc)
+        step = jax.jit(make_train_step(graphdef, tx, tc))
+        single = []
+        for idx in order:
+            state, metrics = step(state, {k: v[idx] for k, v in data.items()})
+            single.append(float(metrics["loss"]))
+        np.testing.assert_allclose(losses[:, i], single, rtol=1e-5)
+        copy = jax.tree.map(lambda x: x[i], sweep.states)
+        assert _rel(copy.params, state.params) <= 1e-5
+        assert _rel(copy.rest, state.rest) <= 1e-5
+        assert _rel(copy.opt_state[0], state.opt_state) <= 1e-5
+    first, second = (jax.tree.map(lambda x: x[i], sweep.states.params) for i in range(2))
+    assert _rel(first, second) > 1e-3  # the copies really trained at different rates
+
+
+def test_epoch_batches_cover_each_epoch_once():
+    order = T.epoch_batches(rows=10, batch=3, steps=7, seed=0)
+    assert order.shape == (7, 3)
+    for epoch in order[:6].reshape(2, 9):  # 3 batches (9 of 10 rows) per epoch, no repeats within one
+        assert len(set(epoch.tolist())) == 9
+    assert T.largest_divisor(12, 5) == 4 and T.largest_divisor(7, 3) == 1
+
+
+def test_mqar_cli_smallest(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "experiments.mqar", "--quick", "--steps", "4",
+                          "--archs", "gpt2,deltanet", "--lengths", "32:2", "--widths", "32", "--lrs", "1e-3,1e-2",
+                          "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DeltaNet" in out.stdout and "32/2" in out.stdout
+    rec = json.loads((tmp_path / "mqar" / "mqar.json").read_text())
+    assert (tmp_path / "mqar" / "mqar.png").stat().st_size > 10_000
+    assert [r["arch"] for r in rec["runs"]] == ["gpt2", "deltanet"] and rec["complete"]
+    assert [r["pattern"] for r in rec["runs"]] == ["SS", "DD"]
+    for r in rec["runs"]:
+        assert (r["seq_len"], r["num_kv_pairs"], r["d_model"]) == (32, 2, 32)
+        assert len(r["accuracy_per_lr"]) == 2 and all(0.0 <= a <= 1.0 for a in r["accuracy_per_lr"])
+        assert r["best_accuracy"] == max(r["accuracy_per_lr"])
+        assert r["best_lr"] == r["lrs"][int(np.argmax(r["accuracy_per_lr"]))]
+        assert r["train_s"] > 0 and r["params"] > 0
+
+    # Split calls join with --merge (here: the same record with its runs relabelled to another width).
+    other = dict(rec, runs=[dict(r, d_model=48) for r in rec["runs"]])
+    (tmp_path / "other" / "mqar").mkdir(parents=True)
+    (tmp_path / "other" / "mqar" / "mqar.json").write_text(json.dumps(other))
+    both = M.run(merge=[str(tmp_path), str(tmp_path / "other")], out=str(tmp_path / "joined"))
+    assert len(both["runs"]) == 4 and both["budget"]["widths"] == [32, 48]
+    assert (tmp_path / "joined" / "mqar" / "mqar.png").stat().st_size > 10_000
+    assert "d=48" in M.table(both)
+    with pytest.raises(ValueError, match="^merge:"):
+        M.run(merge=[str(tmp_path), str(tmp_path)], out=str(tmp_path / "twice"))
+
+
+def test_niah_smallest(tmp_path):
+    rec = N.run(quick=True, out=str(tmp_path), steps=2, archs=["gpt2"], d_model=32, train_len=256,
+                eval_lens=[256, 384])
+    assert (tmp_path / "niah" / "niah.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "niah" / "niah.json").read_text())["runs"] == rec["runs"]
+    (r,) = rec["runs"]
+    assert r["pattern"] == "SSSS" and set(r["by_length"]) == {"256", "384"}
+    for s in r["by_length"].values():
+        assert 0.0 <= s["passkey_accuracy"] <= s["digit_accuracy"] + 1e-9 <= 1.0 + 1e-9
+        assert len(s["by_depth"]) == rec["budget"]["depth_bins"]
+        assert all(a is None or 0.0 <= a <= 1.0 for a in s["by_depth"])
+    assert "256" in N.table(rec).replace(" ", "") and "GPT-2" in N.table(rec)
+
+
+def test_two_layer_architectures():
+    table = {key: pattern for key, _, pattern, _ in M.architectures(None, 2)}
+    assert table == {"gpt2": "SS", "linear": "LL", "deltanet": "DD", "gdn": "GG", "kda": "KK", "mla": "MM",
+                     "kimi_linear": "KM", "k3": "KM"}
+    assert [p for _, _, p, _ in M.architectures(["kimi_linear"], 4)] == ["KKKM"]
+    (_, label, pattern, extra), = M.architectures(["k3"], 2)
+    cfg = M.model_config(label, pattern, extra, 128, 64, 8192)
+    assert (cfg.num_heads, cfg.resolved_head_dim, cfg.attnres_block, cfg.num_experts) == (2, 64, 2, 8)
+
+
+@pytest.mark.parametrize("module, kwargs, arg", [
+    (M, dict(archs=["mamba"]), "archs"),
+    (M, dict(widths=[0]), "widths"),
+    (M, dict(widths=[-64]), "widths"),
+    (M, dict(widths=[96]), "widths"),
+    (M, dict(lengths=["100"]), "lengths"),
+    (M, dict(lengths=["16:8"]), "lengths"),
+    (M, dict(lengths=["1024:256"]), "lengths"),  # the quick vocab of 512 has 255 keys
+    (M, dict(lrs=[0.0]), "lrs"),
+    (N, dict(archs=["mamba"]), "archs"),
+    (N, dict(d_model=0), "d_model"),
+    (N, dict(eval_lens=[64]), "eval_lens"),
+    (N, dict(steps=0), "steps"),
+])
+def test_bad_arguments_name_the_argument(tmp_path, module, kwargs, arg):
+    with pytest.raises(ValueError, match=f"^{arg}:"):
+        module.run(quick=True, out=str(tmp_path), **kwargs)
+    assert not (tmp_path / module.NAME).exists()  # rejected before any work
