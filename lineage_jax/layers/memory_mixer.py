@@ -16,7 +16,7 @@ deltanet    SiLU, L2 q/k    —                               RMSNorm
 gdn         SiLU, L2 q/k    ``−exp(A_log)·softplus(a(x)+b)``  RMSNorm ⊙ SiLU(W_g x)   (Mamba-2 gate)
 kda         SiLU, L2 q/k    per channel, low-rank ``f_b f_a``:  RMSNorm ⊙ σ(gate(x)), gate low-rank or full
                             ``−exp(A_log)·softplus(z + b)`` or
-                            K3's bounded ``−5·σ(exp(A)·z)``
+                            K3's bounded ``−5·σ(exp(A_log)·(z + b))``
 ==========  ==============  ==============================  =======================================
 """
 
@@ -31,7 +31,7 @@ from flax import nnx
 
 from lineage_jax import memory
 from lineage_jax.memory.segments import document_index
-from lineage_jax.layers.common import Dense, RMSNorm, constant, l2_normalize, normal, param
+from lineage_jax.layers.common import Dense, RMSNorm, l2_normalize, normal, param
 
 Array = jax.Array
 
@@ -92,7 +92,12 @@ class MemoryMixer(nnx.Module):
       d_model: residual width. num_heads, head_dim: ``H`` heads of key width ``K``.
       v_head_dim: value width ``V`` (default ``head_dim``).
       conv_size: short causal conv width on q, k, v (0: none).
-      kda_gate: "softplus" (Kimi Linear) or "bounded" (K3: ``g = −gate_bound·σ(exp(A)·z)``).
+      kda_gate: "softplus" (Kimi Linear: ``g = −exp(A_log)·softplus(z + b)``) or "bounded"
+        (K3: ``g = −gate_bound·σ(exp(A_log)·(z + b))``, so ``g ≥ −gate_bound`` per token). Both
+        share the parameters and their Mamba-2 initialisation (``A_log ~ log U[1, 16]``,
+        ``softplus(b) ~ logU[1e-3, 0.1]``), so a fresh layer forgets slowly under either gate.
+        (Without the bias ``b`` the bounded gate starts at ``−gate_bound/2`` per token for every
+        channel: the memory would forget everything within a few tokens.)
       gate_rank: rank of KDA's decay projection ``f_a: D→rank, f_b: rank→H·K`` (default head_dim).
       output_norm: RMSNorm each head's read. output_gate: "none" | "lowrank" | "full".
       chunk_size: chunk of the WY/UT training form.
@@ -138,12 +143,8 @@ class MemoryMixer(nnx.Module):
         elif rule == "kda":
             self.gate_a = Dense(d_model, rank, axes=("embed", "gate_rank"), rngs=rngs)
             self.gate_b = Dense(rank, (H, K), axes=("gate_rank", "heads", "head_dim"), rngs=rngs)
-            if kda_gate == "softplus":
-                self.A_log = param(rngs, _a_log_init, (H,), ("heads",))
-                self.dt_bias = param(rngs, _dt_bias_init, (H, K), ("heads", "head_dim"))
-            else:
-                self.A_log = param(rngs, constant(0.0), (H,), ("heads",))  # exp(A) = 1 at init
-                self.dt_bias = None
+            self.A_log = param(rngs, _a_log_init, (H,), ("heads",))
+            self.dt_bias = param(rngs, _dt_bias_init, (H, K), ("heads", "head_dim"))
         self.norm = RMSNorm(Vd, rngs=rngs) if output_norm else None
         if output_gate == "full":
             self.out_gate = Dense(d_model, (H, Vd), axes=("embed", "heads", "head_dim"), rngs=rngs)
@@ -182,11 +183,12 @@ class MemoryMixer(nnx.Module):
             a = self.gate_a(x).astype(jnp.float32) + self.dt_bias[...]
             g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a)
         elif self.rule == "kda":
-            z = self.gate_b(self.gate_a(x)).astype(jnp.float32)
+            z = self.gate_b(self.gate_a(x)).astype(jnp.float32) + self.dt_bias[...]
+            rate = jnp.exp(self.A_log[...])[:, None]
             if self.kda_gate == "softplus":
-                g = -jnp.exp(self.A_log[...])[:, None] * jax.nn.softplus(z + self.dt_bias[...])
+                g = -rate * jax.nn.softplus(z)
             else:
-                g = -self.gate_bound * jax.nn.sigmoid(jnp.exp(self.A_log[...])[:, None] * z)
+                g = -self.gate_bound * jax.nn.sigmoid(rate * z)
         return q, k, v, g, beta, new_prefix
 
     def _output(self, o: Array, x: Array) -> Array:

@@ -74,18 +74,24 @@ def _check_heads(fn: str, H: int, Hk: int) -> int:
 
 
 def _attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
-    """q ``[B, Tq, H, K]``, k/v ``[B, Tk, Hkv, D]``, mask broadcastable to ``[B, H, Tq, Tk]``."""
+    """q ``[B, Tq, H, K]``, k/v ``[B, Tk, Hkv, D]``, mask broadcastable to ``[B, H, Tq, Tk]``.
+
+    Keys and values are read in their stored dtype (a bf16 KV cache is never copied to
+    float32: at long contexts that copy would be the largest buffer of a decode step);
+    products accumulate in float32 (float64 for float64 inputs) and the softmax runs
+    there. The query (and the probabilities) are rounded to the keys' (values') dtype.
+    """
     B, Tq, H, K = q.shape
     Hk = k.shape[2]
-    dt = jnp.result_type(jnp.float32, q, k, v)
-    qg = q.astype(dt).reshape(B, Tq, Hk, H // Hk, K) * scale
-    s = jnp.einsum("bqhgk,bshk->bhgqs", qg, k.astype(dt), precision=lax.Precision.HIGHEST)
+    acc = jnp.result_type(jnp.float32, q, k, v)
+    qg = (q.astype(acc).reshape(B, Tq, Hk, H // Hk, K) * scale).astype(k.dtype)
+    s = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, precision=lax.Precision.HIGHEST, preferred_element_type=acc)
     s = s.reshape(B, H, Tq, -1)
     s = jnp.where(mask, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where(mask, p, 0.0)  # rows with no visible key (never for causal) read zero, not NaN
-    p = p.reshape(B, Hk, H // Hk, Tq, -1)
-    o = jnp.einsum("bhgqs,bshv->bqhgv", p, v.astype(dt), precision=lax.Precision.HIGHEST)
+    p = p.reshape(B, Hk, H // Hk, Tq, -1).astype(v.dtype)
+    o = jnp.einsum("bhgqs,bshv->bqhgv", p, v, precision=lax.Precision.HIGHEST, preferred_element_type=acc)
     return o.reshape(B, Tq, H, -1).astype(jnp.result_type(q, k, v))
 
 
