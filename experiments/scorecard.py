@@ -16,7 +16,10 @@ DeltaNet, Gated DeltaNet, KDA, MLA, the Kimi Linear 3:1 hybrid and a K3-style hy
 * **decode time per token** of that trained model after a prefilled context.
 
 Fairness: every architecture gets the same width, depth (4 layers), FFN, optimizer,
-steps, batch and data; fixed-state mixers all use the short causal conv (size 4),
+steps, batch and data, and the same learning-rate search: one copy per learning rate of
+the budget, all trained together as one vmapped program (``experiments.trainer.LRSweep``),
+the copy with the best mean accuracy on a separate validation mixture scored on the
+held-out probes; fixed-state mixers all use the short causal conv (size 4),
 softmax uses learned positions (GPT-2) and the pure-MLA model RoPE (DeepSeek), the
 hybrids NoPE MLA (Kimi). ``--quick`` is sized for 2 CPU cores (< 10 min); the
 default for one GPU.
@@ -72,18 +75,20 @@ class Budget:
     seq_len: int
     batch: int
     steps: int
-    lr: float
+    lrs: tuple  # each architecture trains one copy per peak lr (one vmapped program); the copy
+                # with the best mean accuracy on a validation mixture is scored
     vocab: int
     num_facts: int
-    eval_sequences: int
+    eval_sequences: int  # held-out rows per probe (and rows of the validation mixture)
+    max_train_rows: int  # distinct training rows: min(steps × batch, this); more steps reuse them
     decode_context: int
     decode_tokens: int
 
 
-QUICK = Budget(d_model=64, head_dim=16, seq_len=64, batch=16, steps=200, lr=3e-3, vocab=128, num_facts=6,
-               eval_sequences=64, decode_context=256, decode_tokens=16)
-FULL = Budget(d_model=256, head_dim=64, seq_len=256, batch=64, steps=3000, lr=1e-3, vocab=512, num_facts=24,
-              eval_sequences=512, decode_context=4096, decode_tokens=64)
+QUICK = Budget(d_model=64, head_dim=16, seq_len=64, batch=16, steps=200, lrs=(3e-3,), vocab=128, num_facts=6,
+               eval_sequences=64, max_train_rows=3200, decode_context=256, decode_tokens=16)
+FULL = Budget(d_model=256, head_dim=64, seq_len=256, batch=64, steps=3000, lrs=(1e-3, 3e-3), vocab=512, num_facts=24,
+              eval_sequences=512, max_train_rows=60_000, decode_context=4096, decode_tokens=64)
 
 
 def model_config(label: str, pattern: str, extra: dict, b: Budget) -> ModelConfig:
@@ -120,7 +125,7 @@ def make_probes(b: Budget, seed: int):
 
 
 def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optional[int] = None,
-        only: Optional[list[str]] = None) -> dict:
+        only: Optional[list[str]] = None, compile_workers: Optional[int] = None) -> dict:
     """Train, score and cost every architecture (``only``: a subset of ``KEYS``)."""
     b = QUICK if quick else FULL
     if only is not None:
@@ -129,27 +134,39 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
             raise ValueError(f"only: unknown architecture(s) {unknown}; valid: {sorted(KEYS)}")
     archs = [a for a in ARCHITECTURES if only is None or a[0] in {KEYS[k] for k in only}]
     if steps is not None:
-        b = dataclasses.replace(b, steps=steps)
+        b = dataclasses.replace(b, steps=steps, max_train_rows=min(b.max_train_rows, max(steps * b.batch, b.batch)))
     record = C.provenance(NAME, quick)
     record["budget"] = dataclasses.asdict(b)
     record["predicted_fail"] = PREDICTED_FAIL
+    n_eval = b.eval_sequences
+    train = T.stack_rows(T.Mixture(list(make_probes(b, seed).values())), min(b.steps * b.batch, b.max_train_rows))
+    val = T.stack_rows(T.Mixture(list(make_probes(b, seed + 2_000_003).values())), n_eval)
+    test = {p: T.stack_rows(task, n_eval) for p, task in make_probes(b, seed + 1_000_003).items()}
+    cfgs = [model_config(label, pattern, extra, b) for label, pattern, extra in archs]
+    jobs = [(T.LRSweep(cfg, lrs=b.lrs, steps=b.steps, batch=b.batch, seed=seed),
+             dict(train_rows=len(train["tokens"]), seq_len=b.seq_len, eval_shapes=[(len(b.lrs), n_eval, b.seq_len)]))
+            for cfg in cfgs]
     rows = []
     bar = C.progress(desc="scorecard", total=b.steps * len(archs), unit="step")
-    for label, pattern, extra in archs:
-        cfg = model_config(label, pattern, extra, b)
+    for (label, pattern, _), cfg, (sweep, compile_s) in zip(archs, cfgs, T.compiled_ahead(jobs, compile_workers)):
         t0 = time.perf_counter()
-        mixture = T.Mixture(list(make_probes(b, seed).values()))
-        model, losses = T.train_model(cfg, mixture, steps=b.steps, batch=b.batch, seq_len=b.seq_len, lr=b.lr,
-                                      seed=seed, bar=bar)
+        losses = sweep.train(train, bar=bar)  # [chunks, lrs]
         train_s = time.perf_counter() - t0
-        held_out = make_probes(b, seed + 1_000_003)
-        acc = {p: T.accuracy(model, held_out[p], b.eval_sequences, b.batch) for p in PROBES}
+        val_acc = sweep.accuracy(val)
+        best = int(np.argmax(val_acc))
+        acc = {}
+        for p in PROBES:
+            hits, scored = sweep.evaluate(test[p], copies=range(len(b.lrs)))
+            acc[p] = float(hits[best].sum() / max(float(scored.sum()), 1.0))
+        model = sweep.model(best)
         rows.append({
             "architecture": label, "pattern": pattern,
             "params": accounting.param_counts(cfg)["total"],
             "memory_per_layer_1k": memory_per_layer(pattern, 1 << 10),
             "memory_per_layer_1m": memory_per_layer(pattern, 1 << 20),
-            "accuracy": acc, "final_loss": losses[-1], "loss_curve": losses, "train_s": train_s,
+            "accuracy": acc, "best_lr": b.lrs[best], "val_accuracy_per_lr": val_acc.tolist(),
+            "final_loss": float(losses[-1, best]), "loss_curve": losses[:, best].tolist(),
+            "train_s": train_s, "compile_s": compile_s,
             "decode_ms_per_token": T.decode_ms_per_token(model, b.vocab, b.decode_context, b.decode_tokens, seed=seed),
         })
         # Written after every architecture: a run stopped early keeps what it measured.
@@ -218,6 +235,8 @@ def main(argv=None) -> dict:
     parser = C.make_parser(NAME, __doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=C.positive_int, default=None, help="override the training steps")
+    parser.add_argument("--compile-workers", type=C.positive_int, default=None,
+                        help="threads compiling the next architectures while one trains (default: cores - 1, at most 8)")
     parser.add_argument("--only", type=lambda t: t.split(","), default=None,
                         help=f"comma-separated subset of: {','.join(KEYS)}")
     return C.main_for(NAME, parser, run, table, argv)

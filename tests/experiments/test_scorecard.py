@@ -24,6 +24,7 @@ def test_scorecard_structure(tmp_path):
         assert set(r["accuracy"]) == set(S.PROBES)
         assert all(0.0 <= a <= 1.0 for a in r["accuracy"].values())
         assert r["decode_ms_per_token"] > 0
+        assert r["best_lr"] in rec["budget"]["lrs"] and len(r["val_accuracy_per_lr"]) == len(rec["budget"]["lrs"])
     gpt, kda = rec["rows"]
     assert gpt["memory_per_layer_1m"] > 500 * gpt["memory_per_layer_1k"]  # the cache grows with context
     assert kda["memory_per_layer_1m"] == kda["memory_per_layer_1k"]  # the state does not
