@@ -30,7 +30,7 @@ capped at ``max_batch`` (memory: the allocator's ``bytes_limit`` from
 ``memory_stats()``, else ``--device-memory-gb``; on GPUs JAX reserves 75 % of HBM unless
 ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise). The step is then compiled ahead
 (nothing allocated) and XLA's memory analysis gives its *workspace* — what the step
-allocates beyond its arguments (e.g. the float32 upcasts of the cache the attention reads);
+allocates beyond its arguments (scores, probabilities, the new cache row);
 if cache + workspace do not fit,
 the batch is cut until they do (``cache_fit_batch`` vs ``batch``; the row says why). A
 context whose cache does not fit even at batch 1 is recorded as "does not fit". At the fill
@@ -45,8 +45,9 @@ architectures of a pair ran — for this script's 4-layer, dense, fp32-weight mo
 **Budgets**: ``--quick``: d 64, 4 heads × 16, contexts 1K/4K/16K, batch 1 and a fill batch
 capped at 4, 5 timed steps (CPU, ~1 min). Full: contexts 1K, 4K, 16K, 64K, 256K, 1M, fill
 batch capped at 256, 20 timed steps — about 2–3 minutes on one H200 (≈ 40 small compiles;
-the 1M MHA cache alone is 34 GB per sequence, and with the decode's workspace — ~3× the cache
-as compiled for the CPU — MHA at 1M may not fit at all: the row then says so).
+the 1M MHA cache alone is 34 GB per sequence; if it and the decode's workspace do not fit,
+the row says so. Softmax attention reads a bf16 cache without a float32 copy since commit
+``7390c97``; before, a step's workspace was ~3× the cache).
 """
 
 from __future__ import annotations
