@@ -73,6 +73,30 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None):
     return count[0]
 
 
+def ptxas_usage(kernel) -> str:
+    """Registers per thread and spill bytes of a compiled kernel, from ``ptxas -v`` on its PTX
+    (Triton's bundled ptxas; no GPU needed). Spills are local-memory traffic in the hot loop."""
+    import re
+    import subprocess
+
+    from triton.backends.nvidia import compiler as nv
+
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    try:
+        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=600).stderr
+    except Exception as e:  # noqa: BLE001
+        return f"ptxas: {e}"
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    return (f"regs={regs.group(1) if regs else '?'} "
+            f"spill_st={spill.group(1) if spill else '?'}B spill_ld={spill.group(2) if spill else '?'}B")
+
+
 def compile_all(outdir, num_warps=4, label=""):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -88,7 +112,7 @@ def compile_all(outdir, num_warps=4, label=""):
                                options={"num_warps": num_warps, "num_stages": 1})
             dt = time.time() - t
             times[name] = dt
-            print(f"{label}{name:28s} OK   {dt:6.1f} s  shared={k.metadata.shared}", flush=True)
+            print(f"{label}{name:28s} OK   {dt:6.1f} s  shared={k.metadata.shared}  {ptxas_usage(k)}", flush=True)
         except Exception as e:  # noqa: BLE001
             ok = False
             print(f"{label}{name:28s} FAIL {time.time() - t:6.1f} s  {str(e)[:800]}", flush=True)
