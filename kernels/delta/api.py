@@ -291,10 +291,22 @@ def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
     return _forward(s, q, k, v, g, beta, doc, h0)
 
 
+def _backward_spec(s: Spec) -> Spec:
+    """The spec of the backward kernels. On GPUs a bounded-gate KDA call uses the *exact*
+    intra-chunk backward: the anchored one holds more tiles live and Triton 3.6 / ptxas
+    compile it to 32 registers with ~60 KB of spills per thread, against ~8 KB for the exact
+    loop (``triton_compile_check``; docs/benchmarks.md). Both compute the same gradients from
+    the same residuals; the TPU flavour keeps the anchored form (no 16-step VPU loops)."""
+    if s.target == "gpu" and s.cfg.gate_bound is not None:
+        return dataclasses.replace(s, cfg=dataclasses.replace(s.cfg, gate_bound=None))
+    return s
+
+
 def _chunked_bwd(s, res, cts):
     q, k, v, g, beta, doc, W, U, M, qin, kout, dend, h, ut = res
     do, dsT = cts
     do = do.astype(q.dtype)
+    s = _backward_spec(s)
     dh, dut, dh0 = _state_bwd(s, M, do, kout, qin, W, dend, dsT.astype(F32))
     grads = _intra_bwd(s, q, k, v, g, beta, doc, W, U, ut, dut, do, h, dh)
     dq, dk, dv, dbeta = grads[:4]
