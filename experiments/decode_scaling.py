@@ -46,8 +46,9 @@ architectures of a pair ran — for this script's 4-layer, dense, fp32-weight mo
 capped at 4, 5 timed steps (CPU, ~1 min). Full: contexts 1K, 4K, 16K, 64K, 256K, 1M, fill
 batch capped at 256, 20 timed steps — about 2–3 minutes on one H200 (≈ 40 small compiles;
 the 1M MHA cache alone is 34 GB per sequence; if it and the decode's workspace do not fit,
-the row says so. Softmax attention reads a bf16 cache without a float32 copy since commit
-``7390c97``; before, a step's workspace was ~3× the cache).
+the row says so. Softmax attention has read a bf16 cache without an explicit float32 copy
+since commit ``7390c97``, yet on the CPU the compiled MHA step's workspace is still ~3× the
+cache — XLA:CPU runs bf16 dots in float32; the GPU's workspace has not been measured yet).
 """
 
 from __future__ import annotations
