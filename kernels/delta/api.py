@@ -250,26 +250,41 @@ def _state_bwd(s: Spec, M, do, kout, qin, W, dend, dsT):
                  scratch=[pltpu.VMEM((K, bv), F32)])(M, do, kout, qin, W, dend, dsT)
 
 
-def _intra_bwd(s: Spec, q, k, v, g, beta, doc, W, U, ut, dut, do, h, dh):
+def _intra_bwd(s: Spec, q, k, v, g, beta, doc, ut, dut, do, h, dh):
+    """``dq, dk, dv, dβ[, dg]``. GPU: two pallas_calls, ``intra_bwd_solve`` (``dv``, and an f32 hand-off
+    ``dKK [C, C]``, ``dR_u [C, V]``, partial ``dβ [C, 1]``: ``4·(C + V + 1)`` bytes per token·head
+    written, then read) and ``intra_bwd_scores`` (``dq, dk, dβ, dg``) — each holds about half the
+    fused kernel's tiles, which spilled registers in every variant. TPU: the fused ``intra_bwd``.
+    (Neither needs ``W`` or ``U``: see :func:`kernels.delta.kernels._bwd_solve`.)"""
     C, K, V = s.cfg.chunk, s.K, s.V
     args, specs = _chunk_inputs(s, q, k, v, g, beta, doc)
     tk = _tok_spec(s, C, K, lambda b, h_, n: (b, n, h_, 0))
     tv = _tok_spec(s, C, V, lambda b, h_, n: (b, n, h_, 0))
+    tc = _tok_spec(s, C, C, lambda b, h_, n: (b, n, h_, 0))
     t1 = _tok_spec(s, C, 1, lambda b, h_, n: (b, n, h_, 0))
     chv = _chk_spec(s, None, K, V, lambda b, h_, n: (b, n, h_, 0))
-    args += [W, U, ut, dut, do, h, dh]
-    specs += [tk, tv, tv, tv, tv, chv, chv]
-    out_shape = [jax.ShapeDtypeStruct(_tok_shape(s, K), q.dtype),
-                 jax.ShapeDtypeStruct(_tok_shape(s, K), k.dtype),
-                 jax.ShapeDtypeStruct(_tok_shape(s, V), v.dtype),
-                 jax.ShapeDtypeStruct(_tok_shape(s, 1), beta.dtype)]
-    out_specs = [tk, tk, tv, t1]
+    par = ("parallel", "parallel", "parallel")
+    grid = (s.B, s.H, s.N)
+    sh = lambda D, dt: jax.ShapeDtypeStruct(_tok_shape(s, D), dt)  # noqa: E731
+    outs, out_specs = [sh(K, q.dtype), sh(K, k.dtype), sh(1, beta.dtype)], [tk, tk, t1]   # dq, dk, dβ[, dg]
     if g is not None:
-        gk = K if s.cfg.channel else 1
-        out_shape.append(jax.ShapeDtypeStruct(_tok_shape(s, gk), g.dtype))
+        outs.append(sh(K if s.cfg.channel else 1, g.dtype))
         out_specs.append(tk if s.cfg.channel else t1)
-    return _call(s, functools.partial(kn.intra_bwd, s.cfg), grid=(s.B, s.H, s.N), in_specs=specs,
-                 out_specs=out_specs, out_shape=out_shape, semantics=("parallel", "parallel", "parallel"))(*args)
+    if s.target == "tpu":
+        dq, dk, dv, dbeta, *dg = _call(
+            s, functools.partial(kn.intra_bwd, s.cfg), grid=grid,
+            in_specs=specs + [tv, tv, tv, chv, chv], out_specs=out_specs[:2] + [tv] + out_specs[2:],
+            out_shape=outs[:2] + [sh(V, v.dtype)] + outs[2:], semantics=par)(*args, ut, dut, do, h, dh)
+        return (dq, dk, dv, dbeta, *dg)
+    dv, dbp, dkk, dru = _call(
+        s, functools.partial(kn.intra_bwd_solve, s.cfg), grid=grid, in_specs=specs + [tv, tv],
+        out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, F32)],
+        semantics=par)(*args, ut, dut)
+    dq, dk, dbeta, *dg = _call(
+        s, functools.partial(kn.intra_bwd_scores, s.cfg), grid=grid,
+        in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par,
+    )(*args, ut, do, h, dh, dkk, dru, dbp)
+    return (dq, dk, dv, dbeta, *dg)
 
 
 # ---------------------------------------------------------------------------
@@ -279,7 +294,7 @@ def _forward(s: Spec, q, k, v, g, beta, doc, h0):
     W, U, M, qin, kout, dend = _intra_fwd(s, q, k, v, g, beta, doc)
     h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
     o = _output(s, qin, h, M, ut, q.dtype)
-    return (o, sT), (q, k, v, g, beta, doc, W, U, M, qin, kout, dend, h, ut)
+    return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, h, ut)  # U: not needed backward
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -293,9 +308,10 @@ def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
 
 def _backward_spec(s: Spec) -> Spec:
     """The spec of the backward kernels. On GPUs a bounded-gate KDA call uses the *exact*
-    intra-chunk backward: the anchored one holds more tiles live and Triton 3.6 / ptxas
-    compile it to 32 registers with ~60 KB of spills per thread, against ~8 KB for the exact
-    loop (``triton_compile_check``; docs/benchmarks.md). Both compute the same gradients from
+    intra-chunk backward: the anchored one (as it was fused) held more tiles live and Triton
+    3.6 / ptxas compiled it to 32 registers with ~60 KB of spills per thread; the exact
+    backward, now split in two kernels, spills ~1.4 KB (``triton_compile_check``;
+    docs/benchmarks.md). Retrying the anchored form in the split is open. Both compute the same gradients from
     the same residuals; the TPU flavour keeps the anchored form (no 16-step VPU loops)."""
     if s.target == "gpu" and s.cfg.gate_bound is not None:
         return dataclasses.replace(s, cfg=dataclasses.replace(s.cfg, gate_bound=None))
@@ -303,12 +319,12 @@ def _backward_spec(s: Spec) -> Spec:
 
 
 def _chunked_bwd(s, res, cts):
-    q, k, v, g, beta, doc, W, U, M, qin, kout, dend, h, ut = res
+    q, k, v, g, beta, doc, W, M, qin, kout, dend, h, ut = res
     do, dsT = cts
     do = do.astype(q.dtype)
     s = _backward_spec(s)
     dh, dut, dh0 = _state_bwd(s, M, do, kout, qin, W, dend, dsT.astype(F32))
-    grads = _intra_bwd(s, q, k, v, g, beta, doc, W, U, ut, dut, do, h, dh)
+    grads = _intra_bwd(s, q, k, v, g, beta, doc, ut, dut, do, h, dh)
     dq, dk, dv, dbeta = grads[:4]
     dg = grads[4] if g is not None else None
     ddoc = None if doc is None else jnp.zeros_like(doc)

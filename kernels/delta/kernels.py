@@ -11,6 +11,9 @@ carry the state across chunks:
 ``intra_bwd``          par    ``dq, dk, dv, dβ, dg`` from ``S_n, dS_{n+1}, Ũ, dŨ``
 =====================  =====  ==================================================
 
+On GPUs ``intra_bwd`` runs as two kernels, ``intra_bwd_solve`` (``dv, dβ``) then
+``intra_bwd_scores`` (``dq, dk, dg``), to keep Triton's register use down (see there).
+
 The sequential kernels come in two flavours with one shared step function:
 ``*_loop`` (GPU: one program per ``(b, h, v-block)`` loops over chunks with a
 ``fori_loop`` over refs that hold the whole sequence) and ``*_grid`` (TPU: the
@@ -25,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels.delta.tiles import (
-    F32, SUB, Cfg, Chunk, _mul, apply_decay, get_col, get_diag, load_rows, mm, prefix_sum, row_to_col, col_to_row,
+    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, get_col, get_diag, iota, load_rows, mm, prefix_sum, row_to_col, col_to_row,
     scores, sm, solve_backward, solve_forward, store_rows, ut_system,
 )
 
@@ -178,28 +181,56 @@ def output(cfg: Cfg, qin_ref, h_ref, m_ref, ut_ref, o_ref):
 # ---------------------------------------------------------------------------
 # intra_bwd
 # ---------------------------------------------------------------------------
-def intra_bwd(cfg: Cfg, *refs):
-    r, rest = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
-    w_ref, u_ref, ut_ref, dut_ref, do_ref, h_ref, dh_ref = rest[:7]
-    outs = rest[7:]
-    dq_ref, dk_ref, dv_ref, dbeta_ref = outs[:4]
-    dg_ref = outs[4] if cfg.gated else None
+# The backward of one chunk in two halves that share nothing but ``dKK`` (the cotangent of
+# the β-scaled ``k·k`` scores, ``[C, C]``) and ``β ⊙ dR_w`` (``[C, K]``):
+#
+# * :func:`_bwd_solve` — back through the UT solve: ``dv, dβ`` and those two (needs S, not dS,
+#   q, dO or Ũ);
+# * :func:`_bwd_scores` — back through the decayed scores and the state pass's per-chunk
+#   inputs: ``dq, dk, dg`` (needs S and dS, dO, Ũ; not v, U, W, dŨ).
+#
+# GPU: two pallas_calls (``intra_bwd_solve`` then ``intra_bwd_scores``) with the hand-off in
+# HBM as f32 — ``(C + K)`` floats per token·head written and read again — so that each Triton
+# program holds half the tiles (the fused kernel spilled 1.5–7.3 KB per thread). TPU: one
+# kernel (``intra_bwd``) that runs both halves; Mosaic keeps the tiles in VMEM.
+def _bwd_solve(cfg: Cfg, ch: Chunk, r, dut_ref, ut_ref, dv_ref):
+    """Back through the UT solve: stores ``dv``; returns ``dKK`` (tiles), ``dR_u`` and the part of
+    ``dβ`` without the ``k_in ⊙ dR_w`` term. Needs no state: ``W``'s cotangent is ``−dŨ Sᵀ`` and the
+    back-solve acts on the token rows, so ``dR_w = −dR_u Sᵀ`` (left to :func:`_bwd_scores`), and
+    since ``W S = U − Ũ`` (the state pass), ``dA = −(dR_u Uᵀ + dR_w Wᵀ) = −dR_u Ũᵀ``."""
     nb = cfg.nb
-    ch = Chunk(cfg, r["g"], r["doc"])
+    k = _tiles(r["k"], nb)
+    beta = _tiles(r["beta"], nb)
+    _, KK, _ = scores(cfg, ch, None, k, r["k"], want_m=False)
+    A, tT = ut_system(cfg, ch, KK, beta)
+    dRu = solve_backward(cfg, A, tT, _tiles(dut_ref, nb))
+    ut = Lazy(lambda J: load_rows(ut_ref, J * SUB, SUB))
+    dKK = [dict() for _ in range(nb)]
+    dbeta = []
+    for I in range(nb):
+        store_rows(dv_ref, I * SUB, beta[I] * dRu[I])
+        db = jnp.sum(load_rows(r["v"], I * SUB, SUB) * dRu[I], axis=1, keepdims=True)
+        for J in range(I + 1):
+            dA = -sm(cfg, dRu[I], ut[J], tb=True)
+            if J == I:
+                dA = jnp.where(ch.diag_mask(I, True), dA, 0.0)
+            db = db + jnp.sum(dA * KK[I][J], axis=1, keepdims=True)
+            dKK[I][J] = beta[I] * dA
+        dbeta.append(db)
+    return dKK, dRu, dbeta
+
+
+def _bwd_scores(cfg: Cfg, ch: Chunk, r, do_ref, ut_ref, h_ref, dh_ref, dKK, get_dru, get_dbeta, dq_ref, dk_ref,
+                dbeta_ref, dg_ref):
+    """Stores ``dq, dk, dβ`` and ``dg`` (gated), from :func:`_bwd_solve`'s ``dKK``, ``dR_u`` and
+    partial ``dβ`` (``get_dru(I)``, ``get_dbeta(I)``: per tile). The decayed scores (and their
+    16-step loops) first, then ``dO Sᵀ`` and ``dR_w = −dR_u Sᵀ``, then ``Ũ dSᵀ``, so that those
+    ``[16, K]`` tiles are not live across the loops."""
+    nb = cfg.nb
     q = _tiles(r["q"], nb, cfg.scale)
     k = _tiles(r["k"], nb)
-    v = _tiles(r["v"], nb)
-    beta = _tiles(r["beta"], nb)
-    S = h_ref[...]
-    dS = dh_ref[...]
     do = [do_ref[pl.ds(I * SUB, SUB), :] for I in range(nb)]
     ut = [ut_ref[pl.ds(I * SUB, SUB), :] for I in range(nb)]
-    dut = _tiles(dut_ref, nb)
-
-    # -- gradients of the state pass's per-chunk inputs
-    dqin = [mm(cfg, do[I], S, tb=True) for I in range(nb)]
-    dW = [-mm(cfg, dut[I], S, tb=True) for I in range(nb)]
-    dkout = [mm(cfg, ut[I], dS, tb=True) for I in range(nb)]
     dM = [dict() for _ in range(nb)]
     dMd = []  # [16, 1]: the diagonal of each dM_II
     for I in range(nb):
@@ -211,26 +242,6 @@ def intra_bwd(cfg: Cfg, *refs):
         dii = mm(cfg, do[I], ut[I], tb=True)
         dMd.append(get_diag(dii))
         dM[I][I] = jnp.where(ch.diag_mask(I, True), dii, 0.0)
-
-    # -- back through the solve
-    _, KK, aux = scores(cfg, ch, q, k, r["k"], want_m=False)
-    A, tT = ut_system(cfg, ch, KK, beta)
-    U = _tiles(u_ref, nb)
-    W = _tiles(w_ref, nb)
-    dRu = solve_backward(cfg, A, tT, dut)
-    dRw = solve_backward(cfg, A, tT, dW)
-    dKK = [dict() for _ in range(nb)]
-    dbeta = []
-    for I in range(nb):
-        kin = _mul(k[I], ch.Ein[I])
-        db = jnp.sum(v[I] * dRu[I], axis=1, keepdims=True) + jnp.sum(kin * dRw[I], axis=1, keepdims=True)
-        for J in range(I + 1):
-            dA = -(sm(cfg, dRu[I], U[J], tb=True) + sm(cfg, dRw[I], W[J], tb=True))
-            if J == I:
-                dA = jnp.where(ch.diag_mask(I, True), dA, 0.0)
-            db = db + jnp.sum(dA * KK[I][J], axis=1, keepdims=True)
-            dKK[I][J] = beta[I] * dA
-        dbeta.append(db)
 
     # -- back through the decayed scores
     zero = jnp.zeros_like(k[0])
@@ -247,7 +258,7 @@ def intra_bwd(cfg: Cfg, *refs):
                 dkL[I] = dkL[I] + sm(cfg, dKg, k[J])
                 dkR[J] = dkR[J] + mm(cfg, dMg, q[I], ta=True) + sm(cfg, dKg, k[I], ta=True)
     else:
-        Lq, Lk, Rk = aux
+        Lq, Lk, Rk = anchored(cfg, ch, q, k)
     for I in range(nb if cfg.channel else 0):
         for J in range(I):
             mij = ch.m[I, J]
@@ -274,43 +285,117 @@ def intra_bwd(cfg: Cfg, *refs):
 
         dqS[I], dkL[I], dkR[I] = ch.diag_loop(I, body, (dqS[I], dkL[I], dkR[I]))
 
-    # -- assemble
+    # -- the state pass's per-chunk inputs, and assemble: dq with S (dO Sᵀ), then dk with dS (Ũ dSᵀ)
+    # and β ⊙ dR_w, tile by tile — never both [K, V] states nor all [16, K] partials live at once.
+    S = h_ref[...]
+    dGq, dRws = [], []
+    for I in range(nb):
+        dqin = mm(cfg, do_ref[pl.ds(I * SUB, SUB), :], S, tb=True)
+        store_rows(dq_ref, I * SUB, (_mul(dqin, ch.Ein[I]) + dqS[I] + dMd[I] * k[I]) * cfg.scale)
+        if cfg.gated:
+            dGq.append(_gate_sum(cfg, q[I] * dqS[I] + ch.Ein[I] * (q[I] * dqin)))
+        dRw = -mm(cfg, get_dru(I), S, tb=True)
+        store_rows(dbeta_ref, I * SUB, get_dbeta(I) + jnp.sum(_mul(k[I], ch.Ein[I]) * dRw, axis=1, keepdims=True))
+        dRws.append(load_rows(r["beta"], I * SUB, SUB) * dRw)
+    dS = dh_ref[...]
     dG, dE = [], []
     for I in range(nb):
-        dRw_b = beta[I] * dRw[I]
-        dq = _mul(dqin[I], ch.Ein[I]) + dqS[I] + dMd[I] * k[I]
-        dk = _mul(dRw_b, ch.Ein[I]) + _mul(dkout[I], ch.Eout[I]) + dkL[I] + dkR[I] + dMd[I] * q[I]
-        store_rows(dq_ref, I * SUB, dq * cfg.scale)
-        store_rows(dk_ref, I * SUB, dk)
-        store_rows(dv_ref, I * SUB, beta[I] * dRu[I])
-        store_rows(dbeta_ref, I * SUB, dbeta[I])
+        dkout = mm(cfg, ut_ref[pl.ds(I * SUB, SUB), :], dS, tb=True)
+        dRw_b = dRws[I]
+        store_rows(dk_ref, I * SUB, _mul(dRw_b, ch.Ein[I]) + _mul(dkout, ch.Eout[I]) + dkL[I] + dkR[I] + dMd[I] * q[I])
         if cfg.gated:
             # dg_s = Σ_{i >= s} dG_i + Σ_{i < s} dE_i + dG_C: dG_i the gradient w.r.t. G_i through
             # e^{G_i} and the row side of the scores, minus their column side; dE_i that through
             # e^{G_C − G_i} (which depends on g_s for s > i only — a forward prefix sum, so a large
             # e^{G_C − G_i} near the chunk end never cancels against small earlier terms).
-            d = (q[I] * dqS[I] + k[I] * (dkL[I] - dkR[I])
-                 + ch.Ein[I] * (dRw_b * k[I] + q[I] * dqin[I]))
-            e = ch.Eout[I] * (k[I] * dkout[I])
-            if not cfg.channel:  # a scalar gate feeds every channel: its gradient is their sum
-                d = jnp.sum(d, axis=1, keepdims=True)
-                e = jnp.sum(e, axis=1, keepdims=True)
-            dG.append(d)
-            dE.append(e)
-    if cfg.gated:
-        dd = jnp.sum(S.astype(F32) * dS.astype(F32), axis=1, keepdims=True)  # [K, 1]
-        dd = col_to_row(dd) if cfg.channel else jnp.sum(dd, axis=0, keepdims=True)  # [1, K] / [1, 1]
-        dGC = dd * ch.d_end
-        tail = [None] * nb
-        acc = dGC
-        for I in reversed(range(nb)):
-            tail[I] = acc
-            acc = acc + jnp.sum(dG[I], axis=0, keepdims=True)
-        head = None
-        for I in range(nb):
-            g_s = prefix_sum(dG[I], reverse=True) + tail[I] + prefix_sum(dE[I], reverse=False)
-            if head is not None:
-                g_s = g_s + head
-            store_rows(dg_ref, I * SUB, g_s)
-            h = jnp.sum(dE[I], axis=0, keepdims=True)
-            head = h if head is None else head + h
+            dG.append(dGq[I] + _gate_sum(cfg, k[I] * (dkL[I] - dkR[I]) + ch.Ein[I] * (dRw_b * k[I])))
+            dE.append(_gate_sum(cfg, ch.Eout[I] * (k[I] * dkout)))
+    if not cfg.gated:
+        return
+    dGC = _state_dot(cfg, h_ref, dh_ref) * ch.d_end
+    tail = [None] * nb
+    acc = dGC
+    for I in reversed(range(nb)):
+        tail[I] = acc
+        acc = acc + jnp.sum(dG[I], axis=0, keepdims=True)
+    head = None
+    for I in range(nb):
+        g_s = prefix_sum(dG[I], reverse=True) + tail[I] + prefix_sum(dE[I], reverse=False)
+        if head is not None:
+            g_s = g_s + head
+        store_rows(dg_ref, I * SUB, g_s)
+        h = jnp.sum(dE[I], axis=0, keepdims=True)
+        head = h if head is None else head + h
+
+
+def _gate_sum(cfg: Cfg, x):
+    """A scalar gate feeds every channel: its gradient is their sum."""
+    return x if cfg.channel else jnp.sum(x, axis=1, keepdims=True)
+
+
+def _state_dot(cfg: Cfg, h_ref, dh_ref):
+    """``Σ_v S ⊙ dS``: ``[1, K]`` (per-channel gate) or ``[1, 1]``, over 16-row blocks of the states."""
+    K = h_ref.shape[0]
+    acc = None
+    for b in range(K // SUB):
+        c = jnp.sum(load_rows(h_ref, b * SUB, SUB) * load_rows(dh_ref, b * SUB, SUB), axis=1, keepdims=True)
+        if cfg.channel:  # [16, 1] -> its 16 places of a [1, K] row
+            c = jnp.sum(jnp.where(iota((SUB, K), 1) == iota((SUB, K), 0) + b * SUB, c, 0.0), axis=0, keepdims=True)
+        else:
+            c = jnp.sum(c, axis=0, keepdims=True)
+        acc = c if acc is None else acc + c
+    return acc
+
+
+def _store_tiles(ref, tiles, scale=None):
+    for I, x in enumerate(tiles):
+        store_rows(ref, I * SUB, x if scale is None else x * scale)
+
+
+def _store_lower(ref, T):
+    """Lower-triangular tiles ``T[I][J]`` (``J <= I``) into ``ref [C, C]`` (zeros above)."""
+    nb = len(T)
+    for I in range(nb):
+        for J in range(nb):
+            tile = T[I][J] if J <= I else jnp.zeros((SUB, SUB), F32)
+            ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = tile.astype(ref.dtype)
+
+
+def _load_lower(ref, nb):
+    return [{J: ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)].astype(F32) for J in range(I + 1)}
+            for I in range(nb)]
+
+
+def intra_bwd_solve(cfg: Cfg, *refs):
+    """GPU, first half: ``dv`` and the hand-off ``dKK [C, C]``, ``dR_u [C, V]``, partial ``dβ [C, 1]`` (f32)."""
+    r, rest = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
+    ut_ref, dut_ref, dv_ref, dbp_ref, dkk_ref, dru_ref = rest
+    ch = Chunk(cfg, r["g"], r["doc"])
+    dKK, dRu, dbeta = _bwd_solve(cfg, ch, r, dut_ref, ut_ref, dv_ref)
+    _store_lower(dkk_ref, dKK)
+    _store_tiles(dru_ref, dRu)
+    _store_tiles(dbp_ref, dbeta)
+
+
+def intra_bwd_scores(cfg: Cfg, *refs):
+    """GPU, second half: ``dq, dk, dβ, dg`` from the first half's hand-off."""
+    r, rest = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
+    ut_ref, do_ref, h_ref, dh_ref, dkk_ref, dru_ref, dbp_ref = rest[:7]
+    dq_ref, dk_ref, dbeta_ref = rest[7:10]
+    dg_ref = rest[10] if cfg.gated else None
+    ch = Chunk(cfg, r["g"], r["doc"])
+    _bwd_scores(cfg, ch, r, do_ref, ut_ref, h_ref, dh_ref, _load_lower(dkk_ref, cfg.nb),
+                lambda I: load_rows(dru_ref, I * SUB, SUB), lambda I: load_rows(dbp_ref, I * SUB, SUB),
+                dq_ref, dk_ref, dbeta_ref, dg_ref)
+
+
+def intra_bwd(cfg: Cfg, *refs):
+    """TPU: both halves in one kernel (the hand-off stays on chip)."""
+    r, rest = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
+    ut_ref, dut_ref, do_ref, h_ref, dh_ref = rest[:5]
+    dq_ref, dk_ref, dv_ref, dbeta_ref = rest[5:9]
+    dg_ref = rest[9] if cfg.gated else None
+    ch = Chunk(cfg, r["g"], r["doc"])
+    dKK, dRu, dbeta = _bwd_solve(cfg, ch, r, dut_ref, ut_ref, dv_ref)
+    _bwd_scores(cfg, ch, r, do_ref, ut_ref, h_ref, dh_ref, dKK, lambda I: dRu[I], lambda I: dbeta[I],
+                dq_ref, dk_ref, dbeta_ref, dg_ref)

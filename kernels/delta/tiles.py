@@ -237,6 +237,20 @@ def apply_decay(x, d):
     return x * d
 
 
+class Lazy:
+    """``x[key]`` computed by ``fn(key)`` on first access and cached. Inside a kernel the value is
+    traced where it is first used; so never first-access one inside a loop body (its value would be
+    that body's tracer)."""
+
+    def __init__(self, fn):
+        self._fn, self._v = fn, {}
+
+    def __getitem__(self, key):
+        if key not in self._v:
+            self._v[key] = self._fn(key)
+        return self._v[key]
+
+
 class Chunk:
     """Per-chunk, per-tile quantities of the gates and the document masks.
 
@@ -291,24 +305,30 @@ class Chunk:
                 acc = tot[I] if acc is None else acc + tot[I]
             # P_I[i] = Σ_{a_I < t <= i} g_t ("channel": also + g_{a_I}; `base` removes it).
             base = ga if cfg.gate == "channel" else [None] * nb
-            with_a = P if cfg.gate == "channel" else [ga[I] + P[I] for I in range(nb)]      # Σ_{a_I <= t <= i}
-            self.Ein = [_mul(jnp.exp(with_a[I] if before[I] is None else before[I] + with_a[I]), sees[I])
-                        for I in range(nb)]
-            self.Eout = [_mul(jnp.exp((span[I] - P[I]) if after[I] is None else after[I] + (span[I] - P[I])),
-                              last[I]) for I in range(nb)]
+
+            def with_a(I):  # Σ_{a_I <= t <= i}
+                return P[I] if cfg.gate == "channel" else ga[I] + P[I]
+
+            def m(IJ):
+                I, J = IJ
+                e = ga[I]
+                for L in range(J + 1, I):
+                    e = e + tot[L]
+                f = jnp.exp(e)                                                                   # e^{G_a_I - G_b_J}
+                if cfg.docs:
+                    f = f * (self.doc_a[I] == self.doc_b[J]).astype(F32)
+                return f
+
+            # Lazy (traced where first used): per-channel factors are [16, K] tiles, and computing all
+            # of them up front keeps them live across every loop of a kernel (Triton register spills).
+            self.Ein = Lazy(lambda I: _mul(jnp.exp(with_a(I) if before[I] is None else before[I] + with_a(I)),
+                                           sees[I]))
+            self.Eout = Lazy(lambda I: _mul(jnp.exp((span[I] - P[I]) if after[I] is None
+                                                    else after[I] + (span[I] - P[I])), last[I]))
             self.d_end = _mul(jnp.exp(total), sees_last)                                       # [1, K|1]
-            self.fL = [_mul(jnp.exp(P[I] if base[I] is None else P[I] - base[I]), mL[I]) for I in range(nb)]
-            self.fR = [_mul(jnp.exp(span[I] - P[I]), mR[I]) for I in range(nb)]                  # e^{G_b - G_J}
-            self.m = {}
-            for I in range(nb):
-                for J in range(I):
-                    e = ga[I]
-                    for L in range(J + 1, I):
-                        e = e + tot[L]
-                    f = jnp.exp(e)                                                               # e^{G_a_I - G_b_J}
-                    if cfg.docs:
-                        f = f * (self.doc_a[I] == self.doc_b[J]).astype(F32)
-                    self.m[I, J] = f
+            self.fL = Lazy(lambda I: _mul(jnp.exp(P[I] if base[I] is None else P[I] - base[I]), mL[I]))
+            self.fR = Lazy(lambda I: _mul(jnp.exp(span[I] - P[I]), mR[I]))                      # e^{G_b - G_J}
+            self.m = Lazy(m)
         else:
             self.P = None
             self.Ein, self.Eout = sees, last
@@ -322,12 +342,12 @@ class Chunk:
             # Bounded gates: anchor each diagonal tile at its middle row m, |P_i − P_m| <= 8·|bound| <= 64,
             # so q ⊙ e^{P − P_m} and k ⊙ e^{P_m − P} stay finite and normal in f32 and bf16 (the masked
             # upper triangle may overflow: it is dropped by a `where`, never multiplied).
-            self.anc = []
-            for I in range(nb):
+            def anc(I):
                 pm = get_row(self.P[I], SUB // 2)
-                self.anc.append((jnp.exp(self.P[I] - pm), jnp.exp(pm - self.P[I])))
+                return jnp.exp(self.P[I] - pm), jnp.exp(pm - self.P[I])
+            self.anc = Lazy(anc)
         if not cfg.channel:
-            self.fR_row = [None if f is None else col_to_row(f) for f in self.fR]
+            self.fR_row = Lazy(lambda J: None if self.fR[J] is None else col_to_row(self.fR[J]))
             if cfg.gate == "scalar":
                 self.P_row = [col_to_row(p) for p in self.P]
 
@@ -456,9 +476,7 @@ def scores(cfg: Cfg, ch: Chunk, q, k, k_ref, want_m=True):
                     M[I][J] = apply_decay(mm(cfg, q[I], k[J], tb=True), ch.decay(I, J))
                 KK[I][J] = apply_decay(sm(cfg, k[I], k[J], tb=True), ch.decay(I, J, strict=True))
         return M, KK, None
-    Lq = [_mul(q[I], ch.fL[I]) for I in range(nb)]
-    Lk = [_mul(k[I], ch.fL[I]) for I in range(nb)]
-    Rk = [_mul(k[J], ch.fR[J]) for J in range(nb)]
+    Lq, Lk, Rk = anchored(cfg, ch, q if want_m else None, k)
     for I in range(nb):
         for J in range(I):
             mij = ch.m[I, J]
@@ -489,6 +507,13 @@ def scores(cfg: Cfg, ch: Chunk, q, k, k_ref, want_m=True):
             M[I][I] = m_ii
         KK[I][I] = kk_ii
     return M, KK, (Lq, Lk, Rk)
+
+
+def anchored(cfg: Cfg, ch: Chunk, q, k):
+    """Per-channel gates: the anchored operands ``(q ⊙ fL, k ⊙ fL, k ⊙ fR)`` of the off-diagonal
+    score tiles (``q`` None: its factor is skipped), :class:`Lazy` per tile."""
+    Lq = None if q is None else Lazy(lambda I: _mul(q[I], ch.fL[I]))
+    return Lq, Lazy(lambda I: _mul(k[I], ch.fL[I])), Lazy(lambda J: _mul(k[J], ch.fR[J]))
 
 
 def solve_forward(cfg: Cfg, A, tT, rhs):
