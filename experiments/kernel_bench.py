@@ -106,6 +106,7 @@ def attn_bytes(B, T, H, D):
 # Timing
 # ---------------------------------------------------------------------------
 def time_jax(f, *args, reps=20, warmup=3):
+    """Median wall-clock ms of ``reps`` synchronized calls after ``warmup`` (+ one compiling) calls."""
     jax.block_until_ready(f(*args))
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
@@ -279,7 +280,7 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
                 t4 = time_jax(f4, M, do, kout, qin, W, dend, sT)
                 dh, dut, dh0 = f4(M, do, kout, qin, W, dend, sT)
                 f5 = jax.jit(lambda *a: api._intra_bwd(s, *a))
-                t5 = time_jax(f5, q, k, v, g, beta, doc, W, U, ut, dut, do, h, dh)
+                t5 = time_jax(f5, q, k, v, g, beta, doc, ut, dut, do, h, dh)
                 r = {"intra_fwd": t1, "state_fwd": t2, "output": t3, "state_bwd": t4, "intra_bwd": t5}
                 out[f"{rule}/warps{nw}"] = r
                 log("stages", rule, "warps", nw, {k: round(v, 3) for k, v in r.items()})

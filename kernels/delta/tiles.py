@@ -429,6 +429,10 @@ class Chunk:
             if self.cfg.gate == "scalar":
                 diff = self.P[I] - self.P_row[I]
                 d = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+            elif self.cfg.docs:
+                # a data-dependent bool tile reused by several kernels' tiles: Triton (jax 0.11 lowering)
+                # may route it through shared memory, which holds no i1 -> keep it as a 0/1 f32 factor
+                d = jnp.where(mask, 1.0, 0.0)
             else:
                 d = mask
         self._decay[key] = d
