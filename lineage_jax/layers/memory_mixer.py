@@ -94,8 +94,12 @@ class MemoryMixer(nnx.Module):
       conv_size: short causal conv width on q, k, v (0: none).
       kda_gate: "softplus" (Kimi Linear: ``g = −exp(A_log)·softplus(z + b)``) or "bounded"
         (K3: ``g = −gate_bound·σ(exp(A_log)·(z + b))``, so ``g ≥ −gate_bound`` per token). Both
-        share the parameters and their Mamba-2 initialisation (``A_log ~ log U[1, 16]``,
-        ``softplus(b) ~ logU[1e-3, 0.1]``), so a fresh layer forgets slowly under either gate.
+        use the Mamba-2 bias ``softplus(b) ~ logU[1e-3, 0.1]``, so a fresh layer forgets slowly
+        under either gate. ``A_log`` starts at ``log U[1, 16]`` for the softplus gate and at 0 for
+        the bounded gate (fla's ``safe_gate``): there ``exp(A_log)`` multiplies the sigmoid's
+        argument, and with ``A`` up to 16 the sigmoid starts saturated (``σ(A·b)`` with
+        ``A·b ≈ −40``), its gradient ~1e-6 — a gate that cannot learn. With ``A = 1``,
+        ``g ≈ −gate_bound·σ(b) ≈ −gate_bound·dt`` per token and the gate's slope is ~``g``.
         (Without the bias ``b`` the bounded gate starts at ``−gate_bound/2`` per token for every
         channel: the memory would forget everything within a few tokens.)
       gate_rank: rank of KDA's decay projection ``f_a: D→rank, f_b: rank→H·K`` (default head_dim).
@@ -143,7 +147,10 @@ class MemoryMixer(nnx.Module):
         elif rule == "kda":
             self.gate_a = Dense(d_model, rank, axes=("embed", "gate_rank"), rngs=rngs)
             self.gate_b = Dense(rank, (H, K), axes=("gate_rank", "heads", "head_dim"), rngs=rngs)
-            self.A_log = param(rngs, _a_log_init, (H,), ("heads",))
+            # The bounded gate scales the sigmoid's argument by exp(A_log): start at A = 1 (fla's
+            # safe_gate), not Mamba-2's A ~ U[1, 16], which saturates the sigmoid (dead gradient).
+            a_log_init = _a_log_init if kda_gate == "softplus" else jax.nn.initializers.zeros
+            self.A_log = param(rngs, a_log_init, (H,), ("heads",))
             self.dt_bias = param(rngs, _dt_bias_init, (H, K), ("heads", "head_dim"))
         self.norm = RMSNorm(Vd, rngs=rngs) if output_norm else None
         if output_gate == "full":
