@@ -29,7 +29,25 @@ def test_scorecard_structure(tmp_path):
     assert gpt["memory_per_layer_1m"] > 500 * gpt["memory_per_layer_1k"]  # the cache grows with context
     assert kda["memory_per_layer_1m"] == kda["memory_per_layer_1k"]  # the state does not
 
+    # A second call with another architecture, joined to the first by --merge.
+    S.run(quick=True, out=str(tmp_path / "b"), steps=3, only=["linear"])
+    merged = S.run(out=str(tmp_path / "m"), merge=[str(tmp_path), str(tmp_path / "b" / "scorecard" / "scorecard.json")])
+    assert [r["architecture"] for r in merged["rows"]] == [S.KEYS["gpt2"], S.KEYS["linear"], S.KEYS["kda"]]
+    assert merged["complete"] is False and len(merged["merged_from"]) == 2
+    assert set(merged["prediction_check"]["mqar"]) == {S.KEYS["linear"]}  # re-checked over the joined rows
+    assert (tmp_path / "m" / "scorecard" / "scorecard.png").is_file()
+    with pytest.raises(ValueError, match="more than one record"):
+        S.run(out=str(tmp_path / "m2"), merge=[str(tmp_path), str(tmp_path)])
+    other = json.loads((tmp_path / "b" / "scorecard" / "scorecard.json").read_text())
+    other["budget"]["steps"] = 4
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="steps"):
+        S.run(out=str(tmp_path / "m3"), merge=[str(tmp_path), str(tmp_path / "other.json")])
+    with pytest.raises(ValueError, match="no scorecard record"):
+        S.run(out=str(tmp_path / "m4"), merge=[str(tmp_path / "nowhere")])
+
 
 def test_scorecard_rejects_unknown_architecture(tmp_path):
     with pytest.raises(ValueError, match="only"):
         S.run(quick=True, out=str(tmp_path), steps=1, only=["mamba"])
+
