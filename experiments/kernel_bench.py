@@ -468,7 +468,7 @@ def main(argv=None):
     ap.add_argument("--rules", default=",".join(RULES), help="comma-separated subset of " + ",".join(RULES))
     ap.add_argument("--pallas_chunk", type=int, default=None, help="Pallas chunk size (default: the kernels' own)")
     ap.add_argument("--pallas_tuning", default="",
-                    help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8")
+                    help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores")
     args = ap.parse_args(argv)
     rules = tuple(args.rules.split(","))
     for r in rules:
@@ -477,9 +477,9 @@ def main(argv=None):
     pc = args.pallas_chunk
     for item in filter(None, args.pallas_tuning.split(",")):
         key, val = item.split("=")
-        if key not in ("bv", "num_warps", "num_warps_state"):
+        if key not in ("bv", "num_warps", "num_warps_state", "anchored_bwd"):
             ap.error(f"--pallas_tuning: unknown knob {key!r}")
-        PALLAS_TUNING[key] = int(val)
+        PALLAS_TUNING[key] = val if key == "anchored_bwd" else int(val)
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     parts = args.parts.split(",")

@@ -58,6 +58,13 @@ except Exception:  # pragma: no cover
 
 Array = jax.Array
 TARGETS = ("gpu", "tpu")
+# Bounded-gate KDA backward on GPUs: which intra-chunk backward kernels anchor their diagonal tiles at
+# the middle row (one matmul) instead of the exact 16-step loop — "none" (default: the measured path;
+# the anchored backward, when it was one fused kernel, compiled to 32 registers / ~60 KB spills per
+# thread), "scores" (the dq/dk/dg kernel only; ptxas: 1.8 KB spills vs the exact 1.3 KB) or "both"
+# (the back-solve's KK too: 2.1 KB vs 84 B). Same residuals, same gradients up to rounding; a launch
+# knob (`chunk_kda(..., anchored_bwd=...)`) until timed. The TPU flavour anchors both (no VPU loops).
+ANCHORED_BWD = ("none", "scores", "both")
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
                        # values they scale before products go subnormal (flushed on tensor cores)
 
@@ -79,6 +86,7 @@ class Spec:
     state_dtype: Any     # dtype of stored per-chunk states (h, dh)
     num_warps: int
     num_warps_state: int
+    anchored_bwd: str = "both"  # bounded gates: which backward kernels anchor the diagonal tiles (see _intra_bwd)
 
 
 # ---------------------------------------------------------------------------
@@ -276,12 +284,15 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, ut, dut, do, h, dh):
             in_specs=specs + [tv, tv, tv, chv, chv], out_specs=out_specs[:2] + [tv] + out_specs[2:],
             out_shape=outs[:2] + [sh(V, v.dtype)] + outs[2:], semantics=par)(*args, ut, dut, do, h, dh)
         return (dq, dk, dv, dbeta, *dg)
+    exact = dataclasses.replace(s.cfg, gate_bound=None)
+    cfg_solve = s.cfg if s.anchored_bwd == "both" else exact
+    cfg_scores = s.cfg if s.anchored_bwd in ("scores", "both") else exact
     dv, dbp, dkk, dru = _call(
-        s, functools.partial(kn.intra_bwd_solve, s.cfg), grid=grid, in_specs=specs + [tv, tv],
+        s, functools.partial(kn.intra_bwd_solve, cfg_solve), grid=grid, in_specs=specs + [tv, tv],
         out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, F32)],
         semantics=par)(*args, ut, dut)
     dq, dk, dbeta, *dg = _call(
-        s, functools.partial(kn.intra_bwd_scores, s.cfg), grid=grid,
+        s, functools.partial(kn.intra_bwd_scores, cfg_scores), grid=grid,
         in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par,
     )(*args, ut, do, h, dh, dkk, dru, dbp)
     return (dq, dk, dv, dbeta, *dg)
@@ -306,23 +317,10 @@ def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
     return _forward(s, q, k, v, g, beta, doc, h0)
 
 
-def _backward_spec(s: Spec) -> Spec:
-    """The spec of the backward kernels. On GPUs a bounded-gate KDA call uses the *exact*
-    intra-chunk backward: the anchored one (as it was fused) held more tiles live and Triton
-    3.6 / ptxas compiled it to 32 registers with ~60 KB of spills per thread; the exact
-    backward, now split in two kernels, spills ~1.4 KB (``triton_compile_check``;
-    docs/benchmarks.md). Retrying the anchored form in the split is open. Both compute the same gradients from
-    the same residuals; the TPU flavour keeps the anchored form (no 16-step VPU loops)."""
-    if s.target == "gpu" and s.cfg.gate_bound is not None:
-        return dataclasses.replace(s, cfg=dataclasses.replace(s.cfg, gate_bound=None))
-    return s
-
-
 def _chunked_bwd(s, res, cts):
     q, k, v, g, beta, doc, W, M, qin, kout, dend, h, ut = res
     do, dsT = cts
     do = do.astype(q.dtype)
-    s = _backward_spec(s)
     dh, dut, dh0 = _state_bwd(s, M, do, kout, qin, W, dend, dsT.astype(F32))
     grads = _intra_bwd(s, q, k, v, g, beta, doc, ut, dut, do, h, dh)
     dq, dk, dv, dbeta = grads[:4]
@@ -392,7 +390,7 @@ def _check_gate_bound(g, gate, bound):
 
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
-             gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, state_dtype=None):
+             gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, state_dtype=None, anchored_bwd=None):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     gate_bound = _check_gate_bound(g, gate, gate_lower_bound)
     if q.ndim != 4:
@@ -428,11 +426,15 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     cfg = Cfg(chunk=C, gate=gate or "none", docs=segment_ids is not None, scale=float(scale),
               mm_dtype=io_dtype if low else F32, mm_prec=None if low else f32_prec,
               solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound)
+    if anchored_bwd is None:
+        anchored_bwd = "both" if target == "tpu" else "none"
+    if anchored_bwd not in ANCHORED_BWD:
+        raise ValueError(f"`anchored_bwd` must be one of {ANCHORED_BWD}, got {anchored_bwd!r}")
     if bv is None:
         bv = V if target == "tpu" else min(V, 64)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
              store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
-             num_warps=num_warps, num_warps_state=num_warps_state)
+             num_warps=num_warps, num_warps_state=num_warps_state, anchored_bwd=anchored_bwd)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)
@@ -477,7 +479,8 @@ def _delta(q, k, v, g, beta, **kw):
 def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
     """``(spec, laid-out args)`` for timing the five kernels one by one (benchmarks). ``gate``:
     None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
-    ``gate_lower_bound``, ``chunk_size`` and the launch knobs."""
+    ``gate_lower_bound``, ``chunk_size`` and the launch knobs (``bv``, ``num_warps``,
+    ``num_warps_state``, ``anchored_bwd``)."""
     if gate is None and g is not None:
         gate = "channel" if g.ndim == 4 else "scalar"
     tuning.setdefault("chunk_size", None)
@@ -531,6 +534,9 @@ _BOUND_DOC = """      gate_lower_bound: opt-in bounded-gate mode (e.g. ``-5.0`` 
         loop. Concrete gates are checked (``ValueError`` if violated); traced gates (under
         ``jit``) cannot be — gates below the bound then give wrong results (inf/NaN), so bound
         them by construction. ``None`` (default): the exact kernels, safe for any gate.
+      anchored_bwd (launch knob, bounded gates only): ``"none"`` (GPU default: the
+        backward's diagonal tiles run the exact loop), ``"scores"`` or ``"both"`` (TPU
+        default): see ``ANCHORED_BWD``.
 """
 chunk_kda.__doc__ = ("Kimi Delta Attention (``g [B, T, H, K]`` per-channel log-decay: decay, then erase), by "
                      "Pallas kernels." + _DOC.replace("    Returns:", _BOUND_DOC + "    Returns:"))

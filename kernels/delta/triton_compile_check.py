@@ -24,7 +24,7 @@ import time
 GATES = ("none", "gdn", "kda", "kda_bounded")
 
 
-def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None):
+def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering as L
@@ -58,7 +58,7 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None):
                 if gate == "kda":
                     o, s = api.chunk_kda(q, k, v, g, b, **kw)
                 elif gate == "kda_bounded":
-                    o, s = api.chunk_kda(q, k, v, g, b, gate_lower_bound=-5.0, **kw)
+                    o, s = api.chunk_kda(q, k, v, g, b, gate_lower_bound=-5.0, anchored_bwd=anchored_bwd, **kw)
                 elif gate == "gdn":
                     o, s = api.chunk_gated_delta_rule(q, k, v, g[..., 0], b, **kw)
                 else:
@@ -127,6 +127,7 @@ def main(argv=None):
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--chunk_size", default=None, help="default (per target) or a comma-separated list")
     ap.add_argument("--num_warps", type=int, default=4)
+    ap.add_argument("--anchored_bwd", default=None, help="kda_bounded: none | scores | both (default: the API's)")
     ap.add_argument("--keep_cache", action="store_true",
                     help="use Triton's cache (default: a fresh one, so that every compile is timed)")
     args = ap.parse_args(argv)
@@ -145,7 +146,7 @@ def main(argv=None):
             for chunk in chunks:
                 label = f"[{gate} {dtype} C={chunk or 'default'}{' docs' if args.docs else ''}] "
                 with tempfile.TemporaryDirectory() as d:
-                    n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk)
+                    n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk, args.anchored_bwd)
                     print(f"{label}{n} kernels lowered", flush=True)
                     good, times = compile_all(d, args.num_warps, label)
                     ok = ok and good

@@ -75,11 +75,11 @@ def make_inputs(seed, gates="uniform", dtype=np.float32):
     return x
 
 
-def _rule(rule, backend, target=None, chunk_size=None):
+def _rule(rule, backend, target=None, chunk_size=None, tuning=()):
     def fn(q, k, v, g, gs, beta, S0, seg):
         kw = dict(initial_state=S0, segment_ids=seg)
         if backend == "kernels":
-            kw.update(target=target, interpret=True, chunk_size=chunk_size)
+            kw.update(target=target, interpret=True, chunk_size=chunk_size, **dict(tuning))
             if rule == "kda":
                 return kd.chunk_kda(q, k, v, g, beta, **kw)
             if rule == "kda_bounded":
@@ -96,8 +96,8 @@ def _rule(rule, backend, target=None, chunk_size=None):
 
 
 @functools.lru_cache(maxsize=None)
-def value_and_grads(rule, backend, docs, target=None, chunk_size=None):
-    fn = _rule(rule, backend, target, chunk_size)
+def value_and_grads(rule, backend, docs, target=None, chunk_size=None, tuning=()):
+    fn = _rule(rule, backend, target, chunk_size, tuning)
 
     def loss(q, k, v, g, gs, beta, S0, seg, w_o, w_s):
         o, S = fn(q, k, v, g, gs, beta, S0, seg if docs else None)
@@ -163,6 +163,21 @@ def test_tpu_flavour_in_interpret_mode():
 def test_four_tile_chunks_on_gpu_flavour(rule):
     """chunk_size=64: four 16-row tiles, six off-diagonal tile pairs."""
     check(rule, make_inputs(4, gates="bound"), True, 1e-4, target="gpu", chunk_size=64)
+
+
+@pytest.mark.parametrize("anchored", ["scores", "both"])
+@pytest.mark.parametrize("gates", ["bound", "floor"])
+def test_bounded_anchored_backward_on_gpu_flavour(anchored, gates):
+    """The GPU launch knob ``anchored_bwd``: the split intra-chunk backward with anchored diagonal
+    tiles (scores kernel, or both kernels) gives the exact gradients, gates at the bound included."""
+    check("kda_bounded", make_inputs(1, gates=gates), True, 1e-4, target="gpu", tuning=(("anchored_bwd", anchored),))
+
+
+def test_anchored_bwd_rejects_unknown_value():
+    x = make_inputs(1, gates="bound")
+    with pytest.raises(ValueError, match="anchored_bwd"):
+        kd.chunk_kda(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), gate_lower_bound=BOUND,
+                     anchored_bwd="all")
 
 
 @pytest.mark.parametrize("rule", ["gdn", "kda_bounded"])
