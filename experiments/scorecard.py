@@ -3,6 +3,7 @@
     python -m experiments.scorecard [--quick] [--out results]
     python -m experiments.scorecard --only gpt2,linear,deltanet,gdn --out part_a     # split a long run
     python -m experiments.scorecard --merge part_a,part_b --out results              # and join the parts
+    python -m experiments.scorecard --budget pressure     # probes at capacity (see PRESSURE)
 
 For each architecture of the lineage — GPT-2 softmax + KV cache, linear attention,
 DeltaNet, Gated DeltaNet, KDA, MLA, the Kimi Linear 3:1 hybrid and a K3-style hybrid
@@ -14,7 +15,9 @@ DeltaNet, Gated DeltaNet, KDA, MLA, the Kimi Linear 3:1 hybrid and a K3-style hy
 * **accuracy on the four eviction probes** (``lineage_jax.data``: recall = MQAR,
   overwrite, fade, mixed half-lives) after the *same* training budget: one model
   per architecture trained on a mixture of the four probes, scored per probe on
-  held-out sequences (accuracy over answer positions);
+  held-out sequences (accuracy over answer positions), and per query kind — fade's doc A
+  vs doc B, mixed half-lives' long-lived facts vs junk, overwrite's original vs re-bound
+  keys: the splits are where the failure modes show;
 * **decode time per token** of that trained model after a prefilled context.
 
 Fairness: every architecture gets the same width, depth (4 layers), FFN, optimizer,
@@ -90,12 +93,29 @@ class Budget:
     max_train_rows: int  # distinct training rows: min(steps × batch, this); more steps reuse them
     decode_context: int
     decode_tokens: int
+    # Probe sizes beyond num_facts (defaults: the first full budget's). fade: doc A's facts (None:
+    # num_facts); mixed half-lives: long-lived facts (None: num_facts // 2) and the junk queries' lag.
+    fade_facts_a: Optional[int] = None
+    mixed_facts: Optional[int] = None
+    mixed_max_lag: int = 4
 
 
 QUICK = Budget(d_model=64, head_dim=16, seq_len=64, batch=16, steps=200, lrs=(3e-3,), vocab=128, num_facts=6,
                eval_sequences=64, max_train_rows=3200, decode_context=256, decode_tokens=16)
 FULL = Budget(d_model=256, head_dim=64, seq_len=256, batch=64, steps=3000, lrs=(1e-3, 3e-3), vocab=512, num_facts=24,
               eval_sequences=512, max_train_rows=60_000, decode_context=4096, decode_tokens=64)
+# Capacity pressure (``--budget pressure``; proposed, not yet run on a GPU): FULL put no pressure on
+# fade / mixed half-lives (24 + 24 facts against 4 heads × 64 key dims per layer: DeltaNet and GDN
+# scored 1.00 on every probe), so the seeds' predictions for them could not be tested. Here every
+# probe's live facts reach a head's key dim (32): mqar / overwrite 32 facts; fade 32 + 32 facts with
+# seq_len = 4·64, so doc B is written and queried exactly once (no re-write passes); mixed 16
+# long-lived facts under a junk stream with lags up to 16. A CPU study at a quarter of this width
+# (d 32, 4 heads × 8) saw DeltaNet's doc-B accuracy fall 0.19–0.26 below its doc-A accuracy (2 seeds)
+# and KDA's not (1 seed), all models under-trained — suggestive, not evidence.
+PRESSURE = Budget(d_model=128, head_dim=32, seq_len=256, batch=64, steps=3000, lrs=(1e-3, 3e-3), vocab=512,
+                  num_facts=32, eval_sequences=512, max_train_rows=60_000, decode_context=4096, decode_tokens=64,
+                  fade_facts_a=32, mixed_facts=16, mixed_max_lag=16)
+BUDGETS = {"full": FULL, "pressure": PRESSURE}
 
 
 def model_config(label: str, pattern: str, extra: dict, b: Budget) -> ModelConfig:
@@ -126,22 +146,26 @@ def make_probes(b: Budget, seed: int):
     return {
         "mqar": D.get_task("mqar", num_kv_pairs=b.num_facts, **kw),
         "overwrite": D.get_task("overwrite", num_facts=b.num_facts, **kw),
-        "fade": D.get_task("fade", num_facts=b.num_facts, **kw),
-        "mixed_half_lives": D.get_task("mixed_half_lives", num_facts=max(2, b.num_facts // 2), **kw),
+        "fade": D.get_task("fade", num_facts=b.num_facts, num_facts_a=b.fade_facts_a, **kw),
+        "mixed_half_lives": D.get_task("mixed_half_lives", max_lag=b.mixed_max_lag,
+                                       num_facts=b.mixed_facts or max(2, b.num_facts // 2), **kw),
     }
 
 
 def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optional[int] = None,
         only: Optional[list[str]] = None, compile_workers: Optional[int] = None,
-        merge: Optional[list[str]] = None) -> dict:
-    """Train, score and cost every architecture (``only``: a subset of ``KEYS``).
+        merge: Optional[list[str]] = None, budget: str = "full") -> dict:
+    """Train, score and cost every architecture (``only``: a subset of ``KEYS``; ``budget``: a key
+    of ``BUDGETS``, ignored with ``quick``).
 
     ``merge``: instead of training, join the records of earlier calls (their ``--out`` roots or
     ``scorecard.json`` paths) into one record, table and plot.
     """
     if merge:
         return merged(merge, out)
-    b = QUICK if quick else FULL
+    if budget not in BUDGETS:
+        raise ValueError(f"budget: unknown budget {budget!r}; valid: {sorted(BUDGETS)}")
+    b = QUICK if quick else BUDGETS[budget]
     if only is not None:
         unknown = sorted(set(only) - set(KEYS))
         if unknown:
@@ -151,11 +175,14 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
         b = dataclasses.replace(b, steps=steps, max_train_rows=min(b.max_train_rows, max(steps * b.batch, b.batch)))
     record = C.provenance(NAME, quick)
     record["budget"] = dataclasses.asdict(b)
+    record["budget_name"] = "quick" if quick else budget
     record["predicted_fail"] = PREDICTED_FAIL
     n_eval = b.eval_sequences
     train = T.stack_rows(T.Mixture(list(make_probes(b, seed).values())), min(b.steps * b.batch, b.max_train_rows))
     val = T.stack_rows(T.Mixture(list(make_probes(b, seed + 2_000_003).values())), n_eval)
-    test = {p: T.stack_rows(task, n_eval) for p, task in make_probes(b, seed + 1_000_003).items()}
+    test_tasks = make_probes(b, seed + 1_000_003)
+    test = {p: T.stack_rows(task, n_eval) for p, task in test_tasks.items()}
+    kinds = {p: kind_masks(task, test[p]) for p, task in test_tasks.items()}
     cfgs = [model_config(label, pattern, extra, b) for label, pattern, extra in archs]
     jobs = [(T.LRSweep(cfg, lrs=b.lrs, steps=b.steps, batch=b.batch, seed=seed),
              dict(train_rows=len(train["tokens"]), seq_len=b.seq_len, eval_shapes=[(len(b.lrs), n_eval, b.seq_len)]))
@@ -168,17 +195,21 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
         train_s = time.perf_counter() - t0
         val_acc = sweep.accuracy(val)
         best = int(np.argmax(val_acc))
-        acc = {}
+        acc, by_kind = {}, {}
         for p in PROBES:
             hits, scored = sweep.evaluate(test[p], copies=range(len(b.lrs)))
             acc[p] = float(hits[best].sum() / max(float(scored.sum()), 1.0))
+            by_kind[p] = {}
+            for kind, mask in kinds[p].items():  # the same rows, scored on one query kind only
+                hits, scored = sweep.evaluate(dict(test[p], mask=mask), copies=range(len(b.lrs)))
+                by_kind[p][kind] = float(hits[best].sum() / max(float(scored.sum()), 1.0))
         model = sweep.model(best)
         rows.append({
             "architecture": label, "pattern": pattern,
             "params": accounting.param_counts(cfg)["total"],
             "memory_per_layer_1k": memory_per_layer(pattern, 1 << 10),
             "memory_per_layer_1m": memory_per_layer(pattern, 1 << 20),
-            "accuracy": acc, "best_lr": b.lrs[best], "val_accuracy_per_lr": val_acc.tolist(),
+            "accuracy": acc, "accuracy_by_kind": by_kind, "best_lr": b.lrs[best], "val_accuracy_per_lr": val_acc.tolist(),
             "final_loss": float(losses[-1, best]), "loss_curve": losses[:, best].tolist(),
             "train_s": train_s, "compile_s": compile_s,
             "decode_ms_per_token": T.decode_ms_per_token(model, b.vocab, b.decode_context, b.decode_tokens, seed=seed),
@@ -191,6 +222,15 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     return result
 
 
+def kind_masks(task, rows: dict) -> dict[str, np.ndarray]:
+    """Per scored query kind of ``task`` (e.g. fade: "a", "b"), the mask of ``rows`` (rows 0..n-1 of
+    ``task``, :func:`trainer.stack_rows`) restricted to that kind's answer positions."""
+    n = len(rows["mask"])
+    kinds = np.stack([task.info(i)["kinds"] for i in range(n)])
+    return {name: (rows["mask"] * (kinds == j + 1)).astype(rows["mask"].dtype)
+            for j, name in enumerate(task.KINDS) if name in task.SCORED}
+
+
 def merged(sources: Sequence[str], out: str) -> dict:
     """One record from the records of several calls: the same budget and seed-independent data
     settings, disjoint architectures; rows in the scorecard's order, predictions re-checked."""
@@ -199,7 +239,10 @@ def merged(sources: Sequence[str], out: str) -> dict:
         path = Path(src) if str(src).endswith(".json") else Path(src) / NAME / f"{NAME}.json"
         if not path.is_file():
             raise ValueError(f"merge: no {NAME} record at {str(path)!r}")
-        records.append(json.loads(path.read_text()))
+        rec = json.loads(path.read_text())
+        defaults = {f.name: f.default for f in dataclasses.fields(Budget) if f.default is not dataclasses.MISSING}
+        rec["budget"] = {**defaults, **rec["budget"]}  # records written before a field existed had its default
+        records.append(rec)
     for r, src in zip(records[1:], sources[1:]):
         if r["budget"] != records[0]["budget"] or r["quick"] != records[0]["quick"]:
             diff = sorted(k for k in r["budget"] if r["budget"][k] != records[0]["budget"].get(k))
@@ -261,9 +304,17 @@ def table(record: dict) -> str:
                      *[f"{r['accuracy'][p]:.2f}" for p in PROBES], f"{r['decode_ms_per_token']:.2f}"])
     headers = ["architecture", "mem/layer 1K", "mem/layer 1M", *[PROBE_LABELS[p] for p in PROBES], "decode ms/tok"]
     b = record["budget"]
-    title = (f"Scorecard ({'quick' if record['quick'] else 'full'}: d={b['d_model']}, 4 layers, {b['steps']} steps × "
+    name = record.get("budget_name", "quick" if record["quick"] else "full")
+    title = (f"Scorecard ({name}: d={b['d_model']}, 4 layers, {b['steps']} steps × "
              f"{b['batch']} × {b['seq_len']} tokens; device {record['device']['description']})")
-    lines = [C.format_table(headers, rows, title), "", "Seeds' predictions (fails = below the probe's median):"]
+    lines = [C.format_table(headers, rows, title)]
+    split = [r for r in record["rows"] if r.get("accuracy_by_kind")]
+    if split:  # the failure modes live in the splits: fade's doc B vs A, mixed's long-lived facts vs junk
+        cols = [(p, k) for p in PROBES for k in split[0]["accuracy_by_kind"][p]]
+        lines += ["", C.format_table(["architecture", *[f"{PROBE_LABELS[p]}: {k}" for p, k in cols]],
+                                     [[r["architecture"], *[f"{r['accuracy_by_kind'][p][k]:.2f}" for p, k in cols]]
+                                      for r in split], "Accuracy per query kind")]
+    lines += ["", "Seeds' predictions (fails = below the probe's median):"]
     for p, names in record["prediction_check"].items():
         verdict = ", ".join(f"{n}: {v['accuracy']:.2f} ({'yes' if v['below_median'] else 'NO'})" for n, v in names.items())
         verdict = verdict or "(the predicted failures were not run)"
@@ -279,6 +330,8 @@ def main(argv=None) -> dict:
                         help="threads compiling the next architectures while one trains (default: cores - 1, at most 8)")
     parser.add_argument("--only", type=lambda t: t.split(","), default=None,
                         help=f"comma-separated subset of: {','.join(KEYS)}")
+    parser.add_argument("--budget", default="full", choices=sorted(BUDGETS),
+                        help="full-size budget (ignored with --quick): full, or pressure (probes at capacity)")
     parser.add_argument("--merge", type=lambda t: t.split(","), default=None,
                         help="join earlier calls' records (their --out roots or scorecard.json paths) instead of training")
     return C.main_for(NAME, parser, run, table, argv)

@@ -7,9 +7,11 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from experiments import scorecard as S
+from experiments import trainer as T
 
 
 def test_scorecard_structure(tmp_path):
@@ -25,6 +27,15 @@ def test_scorecard_structure(tmp_path):
         assert all(0.0 <= a <= 1.0 for a in r["accuracy"].values())
         assert r["decode_ms_per_token"] > 0
         assert r["best_lr"] in rec["budget"]["lrs"] and len(r["val_accuracy_per_lr"]) == len(rec["budget"]["lrs"])
+    assert "Accuracy per query kind" in out.stdout
+    kinds = {"mqar": {"query"}, "overwrite": {"original", "overwritten"}, "fade": {"a", "b"},
+             "mixed_half_lives": {"long", "junk"}}
+    for r in rec["rows"]:
+        for p in S.PROBES:
+            split = r["accuracy_by_kind"][p]
+            assert set(split) == kinds[p]
+            # the kinds partition the scored positions: the probe's accuracy is a mix of theirs
+            assert min(split.values()) - 1e-6 <= r["accuracy"][p] <= max(split.values()) + 1e-6
     gpt, kda = rec["rows"]
     assert gpt["memory_per_layer_1m"] > 500 * gpt["memory_per_layer_1k"]  # the cache grows with context
     assert kda["memory_per_layer_1m"] == kda["memory_per_layer_1k"]  # the state does not
@@ -51,3 +62,23 @@ def test_scorecard_rejects_unknown_architecture(tmp_path):
     with pytest.raises(ValueError, match="only"):
         S.run(quick=True, out=str(tmp_path), steps=1, only=["mamba"])
 
+
+
+def test_kind_masks_partition_the_scored_positions():
+    b = S.QUICK
+    for p, task in S.make_probes(b, 7).items():
+        rows = T.stack_rows(task, 6)
+        masks = S.kind_masks(task, rows)
+        total = sum(masks.values())
+        np.testing.assert_array_equal(total, rows["mask"])
+        assert all(m.sum() > 0 for m in masks.values()), p
+
+
+def test_pressure_budget_fills_fade_exactly_once():
+    """The pressure budget's fade probe writes and queries doc B once (no re-write passes)."""
+    task = S.make_probes(S.PRESSURE, 0)["fade"]
+    kinds = task.info(0)["kinds"]
+    b = S.PRESSURE
+    assert (kinds == 2).sum() == b.num_facts and (kinds == 1).sum() == b.fade_facts_a
+    with pytest.raises(ValueError, match="budget"):
+        S.run(out="unused", budget="huge")
