@@ -40,17 +40,18 @@ run's peak on its devices cannot show its own; such values are marked ``<=`` (an
 bound) — the XLA figure is the comparable one.
 
 **All-to-all share** (``ep`` layouts): the expert-parallel exchange alone, timed as its own
-jitted program on the same mesh: per MoE layer, the same collectives with the same shapes,
-dtypes and token volume as ``lineage_jax.parallel.expert._ep_shard`` issues for the chosen
-``impl`` (dense: ``all_to_all`` of the padded ``[ep·C, W]`` buffers + the expert ids;
-ragged: the size/offset ``all_to_all``s and three ``ragged_all_to_all``s with row counts
-from a uniform random top-k routing of the step's tokens), forward and its autodiff
-backward (``value_and_grad``), no expert compute. share = (MoE layers × exchange time) /
-step time. XLA may overlap collectives with compute inside the real step, so this is the
-share the exchange would take if nothing overlapped it (an upper bound on its exposed
-cost). The exchange round-trips every row, so the program also checks itself: its
-gradient must equal the cotangent exactly (``roundtrip_ok``). ``dp`` layouts have no
-all-to-all (their gradient all-reduce is not separated out).
+jitted program on the same mesh: one MoE layer's dispatch -> combine through the library's
+own :func:`lineage_jax.parallel.expert.ep_exchange` (what the step's MoE layers run, for the
+chosen ``impl``: dense ``all_to_all`` of capacity-padded buffers, or the size/offset
+``all_to_all``s and three ``ragged_all_to_all``s), same tokens, width and dtype, uniform
+random top-k routing, with the expert MLP replaced by the identity; forward and its autodiff
+backward (``value_and_grad``). share = (MoE layers × exchange time) / step time. It includes
+the dispatch bookkeeping (sorting rows by destination), and XLA may overlap collectives with
+compute inside the real step, so it is the share the exchange would take if nothing
+overlapped it (an upper bound on its exposed cost). With weights ``1/k`` the identity
+experts return every token unchanged, so the program checks its own round trip
+(``roundtrip_ok``). ``dp`` layouts have no all-to-all (their gradient all-reduce is not
+separated out).
 
 **Loss agreement**: max |loss − loss(n=1)| over the first ``--compare-steps`` steps
 (default 10) against 1e-4 (float32 activations) or 2e-2 (bfloat16): a larger value is
@@ -332,13 +333,13 @@ def train_run(spec: dict, cfg: ModelConfig, b: Budget, batches: list[dict], impl
 def exchange_program(ep, cfg: ModelConfig, tokens: int, seed: int):
     """The expert-parallel exchange of one MoE layer, forward + backward, as a jitted program.
 
-    Mirrors the collectives of ``lineage_jax.parallel.expert._ep_shard`` for
-    ``ep.resolved_impl()`` (same shapes, dtypes, capacity ``C`` and row counts; keep in sync),
-    with the expert MLP replaced by a mask. Returns ``(fn, args, info)``; ``fn(*args)`` ->
-    ``(value, grad)`` where ``grad`` must equal the cotangent ``args[-1]`` (every row makes the
-    round trip).
+    The library's own dispatch -> combine (:func:`lineage_jax.parallel.expert.ep_exchange`, what
+    every MoE layer's experts run through, for ``ep.resolved_impl()``, dropless) on the same
+    mesh, token count, width and dtype as the step, with the expert MLP replaced by the identity
+    (a mask of the empty slots): routing is uniform random top-k with weights ``1/k``, so the
+    output must equal the input — the program checks its own round trip. Returns
+    ``(fn, args, info)``; ``fn(*args)`` -> ``(loss, dz)``.
     """
-    from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from lineage_jax.parallel import expert as EPm
@@ -361,62 +362,33 @@ def exchange_program(ep, cfg: ModelConfig, tokens: int, seed: int):
     rng = np.random.default_rng(seed)
     expert_idx = np.argsort(rng.random((tokens, e), dtype=np.float32), axis=1)[:, :k].astype(np.int32)
 
-    if impl == "dense":
-        rows = ep_size * cap
+    def identity(rows, local_expert):
+        return jnp.where((local_expert >= 0)[:, None], rows, jnp.zeros((), rows.dtype))
 
-        def shard(send_x, idx, r):
-            del idx
-            send_e = jnp.zeros((rows,), jnp.int32)                 # every slot valid: a full round trip
-            recv_x = lax.all_to_all(send_x, ep_axis, 0, 0, tiled=True)
-            recv_e = lax.all_to_all(send_e, ep_axis, 0, 0, tiled=True)
-            out = jnp.where((recv_e >= 0)[:, None], recv_x, jnp.zeros((), recv_x.dtype))
-            back = lax.all_to_all(out, ep_axis, 0, 0, tiled=True)
-            return jnp.sum(back.astype(jnp.float32) * r)[None]
-    else:
-        rows = k * n
-        if impl == "ragged":
-            a2a = lax.ragged_all_to_all
-        else:
-            a2a = lambda *a, axis_name: EPm._ragged_all_to_all_reference(*a, axis_name=axis_name, axis_size=ep_size)
+    def shard(z, idx, w):
+        routed, _ = EPm.ep_exchange(z, idx, w, identity, e_loc=e_loc, ep_axis=ep_axis, ep=ep_size,
+                                    token_axes=token_axes, capacity_factor=None, impl=impl)
+        return routed
 
-        def shard(send_x, idx, r):
-            expert = idx.T.reshape(-1)
-            dest = expert // e_loc
-            local_expert = (expert - dest * e_loc).astype(jnp.int32)
-            counts = jnp.sum(jax.nn.one_hot(dest, ep_size, dtype=jnp.int32), axis=0)
-            offsets = (jnp.cumsum(counts) - counts).astype(jnp.int32)
-            send_sizes = jnp.minimum(counts, cap).astype(jnp.int32)
-            recv_sizes = lax.all_to_all(send_sizes, ep_axis, 0, 0, tiled=True)
-            me = lax.axis_index(ep_axis)
-            slot_at_dest = jnp.full((ep_size,), me * cap, jnp.int32)
-            recv_x = a2a(send_x, jnp.zeros((ep_size * cap, width), send_x.dtype), offsets, send_sizes, slot_at_dest,
-                         recv_sizes, axis_name=ep_axis)
-            recv_e = a2a(local_expert, jnp.full((ep_size * cap,), -1, jnp.int32), offsets, send_sizes, slot_at_dest,
-                         recv_sizes, axis_name=ep_axis)
-            out = jnp.where((recv_e >= 0)[:, None], recv_x, jnp.zeros((), recv_x.dtype))
-            block_starts = (jnp.arange(ep_size) * cap).astype(jnp.int32)
-            source_offsets = lax.all_to_all(offsets, ep_axis, 0, 0, tiled=True)
-            back = a2a(out, jnp.zeros((k * n, width), out.dtype), block_starts, recv_sizes, source_offsets,
-                       send_sizes, axis_name=ep_axis)
-            return jnp.sum(back.astype(jnp.float32) * r)[None]
+    mapped = jax.shard_map(shard, mesh=mesh, in_specs=(tok, tok, tok), out_specs=tok)
 
-    mapped = jax.shard_map(shard, mesh=mesh, in_specs=(tok, tok, tok), out_specs=P(token_axes))
+    def loss(z, idx, w, r):
+        routed = mapped(z, idx, w)
+        return jnp.sum(routed * r), routed
 
-    def total(send_x, idx, r):
-        return jnp.sum(mapped(send_x, idx, r))
-
-    fn = jax.jit(jax.value_and_grad(total))
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
     sh = NamedSharding(mesh, tok)
     keys = jax.random.split(jax.random.key(seed), 2)
-    send_x = jax.device_put(jax.random.normal(keys[0], (ways * rows, width), jnp.float32).astype(dt), sh)
-    r = jax.device_put(jax.random.normal(keys[1], (ways * rows, width), jnp.float32), sh)
+    z = jax.device_put(jax.random.normal(keys[0], (tokens, width), jnp.float32).astype(dt), sh)
+    r = jax.device_put(jax.random.normal(keys[1], (tokens, width), jnp.float32), sh)
     idx = jax.device_put(jnp.asarray(expert_idx), sh)
+    w = jax.device_put(jnp.full((tokens, k), 1.0 / k, jnp.float32), sh)
     row_bytes = width * dt.itemsize
     info = {"impl": impl, "tokens_per_device": n, "top_k": k, "experts_per_device": e_loc, "capacity_C": cap,
             "width": width, "dtype": dt.name,
             "bytes_sent_per_device_forward": (ep_size * cap if impl == "dense" else k * n) * row_bytes * 2,
-            "routing": "uniform random top-k" if impl != "dense" else "not needed (dense sends every slot)"}
-    return fn, (send_x, idx, r), info
+            "routing": "uniform random top-k, weights 1/k"}
+    return fn, (z, idx, w, r), info
 
 
 def time_exchange(ep, cfg: ModelConfig, tokens: int, reps: int, seed: int) -> dict:
@@ -428,9 +400,9 @@ def time_exchange(ep, cfg: ModelConfig, tokens: int, reps: int, seed: int) -> di
         collectives = _count_collectives(compiled.as_text())
     except Exception:  # noqa: BLE001
         collectives = None
-    value, grad = jax.block_until_ready(compiled(*args))
-    send_x, _, r = args
-    roundtrip = bool(np.array_equal(np.asarray(grad, np.float32), np.asarray(r.astype(grad.dtype), np.float32)))
+    (_, routed), _ = jax.block_until_ready(compiled(*args))
+    z = np.asarray(args[0], np.float32)
+    roundtrip = bool(np.allclose(np.asarray(routed, np.float32), z, rtol=1e-6, atol=0))  # every row there and back
     for _ in range(2):
         jax.block_until_ready(compiled(*args))
     times = []
@@ -438,7 +410,7 @@ def time_exchange(ep, cfg: ModelConfig, tokens: int, reps: int, seed: int) -> di
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
-    del args, grad
+    del args, routed
     return dict(info, ms=1e3 * float(np.median(times)), times_s=times, compile_s=compile_s, roundtrip_ok=roundtrip,
                 collectives=collectives)
 
@@ -486,8 +458,8 @@ def run(quick: bool = False, out: str = "results", gpus: Optional[Sequence[int]]
             "xla_memory": "compiled step memory_analysis(): arguments + outputs - aliased + temporaries, per device",
             "measured_peak": "max memory_stats()['peak_bytes_in_use'] over the run's devices; per-process and "
                              "never reset: when it did not rise during the run it is only an upper bound ('<=')",
-            "all_to_all_share": "MoE layers x (forward+backward exchange program alone, same mesh/shapes/impl as "
-                                "parallel.expert._ep_shard, no expert compute) / step time; ignores overlap",
+            "all_to_all_share": "MoE layers x (forward+backward of parallel.expert.ep_exchange alone, same mesh/"
+                                "shapes/impl, identity experts) / step time; ignores overlap",
             "loss_agreement": f"max |loss - loss(n=1)| over the first {b.compare_steps} steps; tolerance "
                               f"{TOLERANCE[act]} ({act} activations)",
         })

@@ -43,6 +43,7 @@ Three exchange implementations (``impl``), identical in result:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -145,12 +146,21 @@ def _local_experts(x: Array, local_expert: Array, w_gate: Array, w_up: Array, w_
     return jnp.zeros_like(out).at[order].set(out)
 
 
-def _ep_shard(z, expert_idx, weights, w_gate, w_up, w_down, *, ep_axis: str, ep: int, hidden_axes: tuple,
-              token_axes: tuple, capacity_factor: Optional[float], impl: str, activation: str):
-    """One device's part of the expert-parallel experts (inside ``shard_map``)."""
+def ep_exchange(z, expert_idx, weights, local_fn, *, e_loc: int, ep_axis: str, ep: int, token_axes: tuple,
+                capacity_factor: Optional[float], impl: str):
+    """One device's dispatch -> ``local_fn`` -> combine (inside ``shard_map`` over the expert axis).
+
+    ``z [n, W]`` this device's tokens, ``expert_idx / weights [n, k]`` their routing; each
+    assignment is sent to the device holding its expert (``e_loc`` experts per device),
+    ``local_fn(rows [R, W], local_expert [R]) -> [R, W]`` runs there (``-1``: an empty slot,
+    whose output must be 0), and the outputs come back and are mixed by ``weights``. ``impl``:
+    "dense" (``all_to_all`` of capacity-padded buffers), "ragged" (``lax.ragged_all_to_all``)
+    or "ragged_reference" (the same offsets through a dense ``all_to_all``). Returns
+    ``(routed [n, W] float32, tokens dropped over the token axes)``. The experts use it with
+    the expert MLP as ``local_fn``; ``experiments.ep_scaling`` times it with a mask.
+    """
     n, k = expert_idx.shape
     width = z.shape[-1]
-    e_loc = w_gate.shape[0]
     most = n * min(k, e_loc)                                   # the most one source can send one shard
     cap = most if capacity_factor is None else max(1, min(most, math.ceil(capacity_factor * n * k / ep)))
 
@@ -171,7 +181,7 @@ def _ep_shard(z, expert_idx, weights, w_gate, w_up, w_down, *, ep_axis: str, ep:
         send_e = jnp.full((ep * cap,), -1, jnp.int32).at[slot].set(local_expert, mode="drop")
         recv_x = lax.all_to_all(send_x, ep_axis, 0, 0, tiled=True)
         recv_e = lax.all_to_all(send_e, ep_axis, 0, 0, tiled=True)
-        out = _local_experts(recv_x, recv_e, w_gate, w_up, w_down, activation)
+        out = local_fn(recv_x, recv_e)
         back = lax.all_to_all(out, ep_axis, 0, 0, tiled=True)  # [ep*cap, W], my send layout
         y_assign = back.at[slot].get(mode="fill", fill_value=0)
     else:
@@ -191,7 +201,7 @@ def _ep_shard(z, expert_idx, weights, w_gate, w_up, w_down, *, ep_axis: str, ep:
                      recv_sizes, axis_name=ep_axis)
         recv_e = a2a(send_e, jnp.full((ep * cap,), -1, jnp.int32), offsets, send_sizes, slot_at_dest,
                      recv_sizes, axis_name=ep_axis)
-        out = _local_experts(recv_x, recv_e, w_gate, w_up, w_down, activation)
+        out = local_fn(recv_x, recv_e)
         block_starts = (jnp.arange(ep) * cap).astype(jnp.int32)
         source_offsets = lax.all_to_all(offsets, ep_axis, 0, 0, tiled=True)  # where my rows sat at each source
         back = a2a(out, jnp.zeros((k * n, width), out.dtype), block_starts, recv_sizes, source_offsets,
@@ -199,9 +209,17 @@ def _ep_shard(z, expert_idx, weights, w_gate, w_up, w_down, *, ep_axis: str, ep:
         y_assign = jnp.where(kept[:, None], back[sorted_idx], jnp.zeros((), back.dtype))
 
     routed = jnp.einsum("knw,kn->nw", y_assign.reshape(k, n, width).astype(jnp.float32), weights.T)
+    return routed, lax.psum(dropped, token_axes)
+
+
+def _ep_shard(z, expert_idx, weights, w_gate, w_up, w_down, *, hidden_axes: tuple, activation: str, **exchange):
+    """One device's part of the expert-parallel experts: :func:`ep_exchange` with the local experts'
+    MLP (their hidden width split over ``hidden_axes``: partial outputs summed)."""
+    local = functools.partial(_local_experts, w_gate=w_gate, w_up=w_up, w_down=w_down, activation=activation)
+    routed, dropped = ep_exchange(z, expert_idx, weights, local, e_loc=w_gate.shape[0], **exchange)
     if hidden_axes:
         routed = lax.psum(routed, hidden_axes)
-    return routed, lax.psum(dropped, token_axes)
+    return routed, dropped
 
 
 def expert_parallel_experts(moe: MoE, z: Array, expert_idx: Array, weights: Array, ep: ExpertParallel,
