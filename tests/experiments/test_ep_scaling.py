@@ -11,11 +11,8 @@ PNG are written.
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import json
 import math
-import mmap
 import os
 import subprocess
 import sys
@@ -24,29 +21,14 @@ from pathlib import Path
 import pytest
 
 from experiments import ep_scaling as EPS
+from tests._fake_devices import fake_device_xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _jaxlib_knows(flag: str) -> bool:
-    spec = importlib.util.find_spec("jaxlib")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        for lib in sorted(glob.glob(os.path.join(folder, "*.so"))):
-            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                if m.find(flag.encode()) >= 0:
-                    return True
-    return False
-
-
 def _env(devices: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    flags = [env.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}"]
-    # As tests/parallel/_multi_device_checks.py: compile fast; YNNPACK fusions off (they can deadlock).
-    for flag, value in (("xla_backend_optimization_level", "0"), ("xla_llvm_disable_expensive_passes", "true"),
-                        ("xla_cpu_experimental_ynn_fusion_type", "")):
-        if _jaxlib_knows(flag):
-            flags.append(f"--{flag}={value}")
-    env["XLA_FLAGS"] = " ".join(f for f in flags if f)
+    env["XLA_FLAGS"] = fake_device_xla_flags(devices, env.get("XLA_FLAGS", ""))  # as tests/parallel
     return env
 
 

@@ -10,40 +10,11 @@ line ``RESULT {json}`` that the test asserts on; a failed check raises (nonzero 
 
 from __future__ import annotations
 
-import glob
-import importlib.util
-import mmap
 import os
 
-YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"
+from tests._fake_devices import fake_device_xla_flags
 
-
-def _jaxlib_knows(flag: str) -> bool:
-    """Whether the installed jaxlib has XLA flag ``flag`` (an unknown flag in XLA_FLAGS is fatal)."""
-    spec = importlib.util.find_spec("jaxlib")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        for lib in sorted(glob.glob(os.path.join(folder, "*.so"))):
-            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                if m.find(flag.encode()) >= 0:
-                    return True
-    return False
-
-
-def _xla_flags() -> str:
-    flags = [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
-    # Compile fast, run slow: these programs run once, and LLVM optimisation dominates.
-    for flag, value in (("xla_backend_optimization_level", "0"), ("xla_llvm_disable_expensive_passes", "true")):
-        if _jaxlib_knows(flag):
-            flags.append(f"--{flag}={value}")
-    # XLA:CPU in jaxlib 0.10.2 deadlocks on some multi-device programs (the backward of the
-    # chunked delta rules under fsdp=8) when YNNPACK fusions are on; plain XLA:CPU kernels
-    # do not. Turn them off when this jaxlib has the flag.
-    if _jaxlib_knows(YNN_FLAG):
-        flags.append(f"--{YNN_FLAG}=")
-    return " ".join(f for f in flags if f)
-
-
-os.environ["XLA_FLAGS"] = _xla_flags()
+os.environ["XLA_FLAGS"] = fake_device_xla_flags(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402

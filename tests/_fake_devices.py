@@ -1,0 +1,42 @@
+"""XLA flags for a subprocess with ``n`` fake CPU devices (no JAX import: set before JAX starts).
+
+Shared by ``tests/parallel/_multi_device_checks.py`` and ``tests/experiments/test_ep_scaling.py``.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import mmap
+import os
+from typing import Optional
+
+YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"
+
+
+def jaxlib_knows(flag: str) -> bool:
+    """Whether the installed jaxlib has XLA flag ``flag`` (an unknown flag in XLA_FLAGS is fatal)."""
+    spec = importlib.util.find_spec("jaxlib")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for lib in sorted(glob.glob(os.path.join(folder, "*.so"))):
+            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(flag.encode()) >= 0:
+                    return True
+    return False
+
+
+def fake_device_xla_flags(devices: int, base: Optional[str] = None) -> str:
+    """``base`` (default: ``$XLA_FLAGS``) + ``devices`` fake CPU devices, compiled fast.
+
+    Compile fast, run slow: these programs run once, and LLVM optimisation dominates. XLA:CPU in
+    jaxlib 0.10.2 deadlocks on some multi-device programs (the backward of the chunked delta rules
+    under fsdp=8) when YNNPACK fusions are on; plain XLA:CPU kernels do not — so they are turned
+    off where this jaxlib has the flag.
+    """
+    flags = [os.environ.get("XLA_FLAGS", "") if base is None else base,
+             f"--xla_force_host_platform_device_count={devices}"]
+    for flag, value in (("xla_backend_optimization_level", "0"), ("xla_llvm_disable_expensive_passes", "true"),
+                        (YNN_FLAG, "")):
+        if jaxlib_knows(flag):
+            flags.append(f"--{flag}={value}")
+    return " ".join(f for f in flags if f)
