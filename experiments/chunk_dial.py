@@ -88,13 +88,7 @@ def time_call(fn, args: tuple, repeats: int) -> dict:
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     compile_s = time.perf_counter() - t0
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    t = np.asarray(times)
+    t = np.asarray(common.timed_calls(fn, args, repeats, warmup=1))
     return {"out": out, "compile_s": compile_s, "median_s": float(np.median(t)), "min_s": float(t.min()),
             "p25_s": float(np.percentile(t, 25)), "p75_s": float(np.percentile(t, 75))}
 

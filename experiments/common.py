@@ -84,6 +84,23 @@ def device_info() -> dict:
     }
 
 
+def timed_calls(fn: Callable, args: Sequence, reps: int, warmup: int = 0) -> list[float]:
+    """Seconds of ``reps`` calls ``fn(*args)``, each ``jax.block_until_ready``-synchronized, after
+    ``warmup`` untimed calls (compile first, outside, if the compile time matters)."""
+    import time
+
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def provenance(name: str, quick: bool) -> dict:
     """The header every result JSON starts with."""
     import jax

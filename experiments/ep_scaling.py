@@ -403,13 +403,7 @@ def time_exchange(ep, cfg: ModelConfig, tokens: int, reps: int, seed: int) -> di
     (_, routed), _ = jax.block_until_ready(compiled(*args))
     z = np.asarray(args[0], np.float32)
     roundtrip = bool(np.allclose(np.asarray(routed, np.float32), z, rtol=1e-6, atol=0))  # every row there and back
-    for _ in range(2):
-        jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
+    times = C.timed_calls(compiled, args, reps, warmup=2)
     del args, routed
     return dict(info, ms=1e3 * float(np.median(times)), times_s=times, compile_s=compile_s, roundtrip_ok=roundtrip,
                 collectives=collectives)

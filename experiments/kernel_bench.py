@@ -54,6 +54,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import common as C  # noqa: E402
+
 SHAPES = ((2, 8192), (8, 2048), (1, 32768))
 H, D, CHUNK = 16, 128, 64
 RULES = ("kda", "kdab", "delta", "gdn")
@@ -108,14 +110,7 @@ def attn_bytes(B, T, H, D):
 def time_jax(f, *args, reps=20, warmup=3):
     """Median wall-clock ms of ``reps`` synchronized calls after ``warmup`` (+ one compiling) calls."""
     jax.block_until_ready(f(*args))
-    for _ in range(warmup):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
+    return 1e3 * statistics.median(C.timed_calls(f, args, reps, warmup))
 
 
 def time_torch(fn, reps=20, warmup=3):
