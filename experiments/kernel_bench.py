@@ -471,10 +471,21 @@ def main(argv=None):
             ap.error(f"--rules: unknown rule {r!r}")
     pc = args.pallas_chunk
     for item in filter(None, args.pallas_tuning.split(",")):
-        key, val = item.split("=")
+        key, sep, val = item.partition("=")
+        if not sep:
+            ap.error(f"--pallas_tuning: expected knob=value items, got {item!r}")
         if key not in ("bv", "num_warps", "num_warps_state", "anchored_bwd"):
             ap.error(f"--pallas_tuning: unknown knob {key!r}")
-        PALLAS_TUNING[key] = val if key == "anchored_bwd" else int(val)
+        if key == "anchored_bwd":
+            from kernels.delta.api import ANCHORED_BWD
+            if val not in ANCHORED_BWD:
+                ap.error(f"--pallas_tuning: anchored_bwd must be one of {ANCHORED_BWD}, got {val!r}")
+            PALLAS_TUNING[key] = val
+        else:
+            try:
+                PALLAS_TUNING[key] = int(val)
+            except ValueError:
+                ap.error(f"--pallas_tuning: {key} must be an integer, got {val!r}")
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     parts = args.parts.split(",")

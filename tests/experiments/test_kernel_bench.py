@@ -32,3 +32,12 @@ def test_check_compares_pallas_with_xla(tiny, monkeypatch):
     assert kb.part_check(res, rules=("delta", "gdn"), chunk_size=32)
     assert set(res["check"]) == {"delta/float32", "gdn/float32", "delta/bfloat16", "gdn/bfloat16"}
     assert res["check"]["delta/float32"]["dv"] < 1e-4
+
+
+@pytest.mark.parametrize("tuning, message", [("anchored_bwd=all", "anchored_bwd must be one of"),
+                                             ("bv=x", "bv must be an integer"), ("bv", "knob=value"),
+                                             ("warps=8", "unknown knob")])
+def test_bad_tuning_flags_are_named(tuning, message, capsys):
+    with pytest.raises(SystemExit):
+        kb.main(["--pallas_tuning", tuning, "--out", "unused"])
+    assert message in capsys.readouterr().err
