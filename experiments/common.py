@@ -84,6 +84,18 @@ def device_info() -> dict:
     }
 
 
+def load_records(name: str, sources: Sequence[str]) -> list[dict]:
+    """The JSON records of earlier calls of experiment ``name`` (``--merge``): each source is a
+    call's ``--out`` root or the ``<name>.json`` path itself."""
+    records = []
+    for src in sources:
+        path = Path(src) if str(src).endswith(".json") else Path(src) / name / f"{name}.json"
+        if not path.is_file():
+            raise ValueError(f"merge: no {name} record at {str(path)!r}")
+        records.append(json.loads(path.read_text()))
+    return records
+
+
 def timed_calls(fn: Callable, args: Sequence, reps: int, warmup: int = 0) -> list[float]:
     """Seconds of ``reps`` calls ``fn(*args)``, each ``jax.block_until_ready``-synchronized, after
     ``warmup`` untimed calls (compile first, outside, if the compile time matters)."""

@@ -59,9 +59,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import jax
@@ -249,12 +247,7 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
 
 def merged(sources: Sequence[str], out: str) -> dict:
     """One record from the records of several calls (same steps, vocab and lrs; disjoint runs)."""
-    records = []
-    for src in sources:
-        path = Path(src) if str(src).endswith(".json") else Path(src) / NAME / f"{NAME}.json"
-        if not path.is_file():
-            raise ValueError(f"merge: no {NAME} record at {str(path)!r}")
-        records.append(json.loads(path.read_text()))
+    records = C.load_records(NAME, sources)
     same = ("steps", "vocab", "lrs", "tokens_per_step", "layers")
     for r in records[1:]:
         diff = [k for k in same if r["budget"][k] != records[0]["budget"][k]]

@@ -36,9 +36,7 @@ keeps what it finished) and join the parts with ``--merge``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -234,15 +232,10 @@ def kind_masks(task, rows: dict) -> dict[str, np.ndarray]:
 def merged(sources: Sequence[str], out: str) -> dict:
     """One record from the records of several calls: the same budget and seed-independent data
     settings, disjoint architectures; rows in the scorecard's order, predictions re-checked."""
-    records = []
-    for src in sources:
-        path = Path(src) if str(src).endswith(".json") else Path(src) / NAME / f"{NAME}.json"
-        if not path.is_file():
-            raise ValueError(f"merge: no {NAME} record at {str(path)!r}")
-        rec = json.loads(path.read_text())
-        defaults = {f.name: f.default for f in dataclasses.fields(Budget) if f.default is not dataclasses.MISSING}
+    records = C.load_records(NAME, sources)
+    defaults = {f.name: f.default for f in dataclasses.fields(Budget) if f.default is not dataclasses.MISSING}
+    for rec in records:
         rec["budget"] = {**defaults, **rec["budget"]}  # records written before a field existed had its default
-        records.append(rec)
     for r, src in zip(records[1:], sources[1:]):
         if r["budget"] != records[0]["budget"] or r["quick"] != records[0]["quick"]:
             diff = sorted(k for k in r["budget"] if r["budget"][k] != records[0]["budget"].get(k))
