@@ -174,6 +174,14 @@ def finish(record: dict, name: str, out: str | os.PathLike, fig) -> dict:
     return record
 
 
+def save_partial(record: dict, name: str, out: str | os.PathLike) -> str:
+    """Write ``record`` (what a long run has finished so far) as ``<name>.partial.json`` next to
+    where :func:`finish` will put the final JSON, so a run cut short keeps its measurements."""
+    js = results_dir(out, name) / f"{name}.partial.json"
+    js.write_text(json.dumps(to_jsonable(dict(record, complete=False)), indent=2) + "\n")
+    return str(js)
+
+
 # ----------------------------------------------------------------------------
 # CLI, progress, tables.
 # ----------------------------------------------------------------------------

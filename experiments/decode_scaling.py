@@ -252,7 +252,14 @@ def measure(target: Target, batch: int, context: int, budget_bytes: float, b: Bu
     while batch >= 1:
         if batch in done:
             return dict(done[batch], cache_fit_batch=cache_fit, note="; ".join(notes))
-        compiled, workspace = target.compile(batch, context, dtype)
+        try:
+            compiled, workspace = target.compile(batch, context, dtype)
+        except Exception as err:  # noqa: BLE001 — only out-of-memory is handled
+            if not _is_oom(err):  # the compiler's autotuner allocates scratch next to the weights
+                raise
+            notes.append(f"B={batch}: compiling ran out of memory")
+            batch = batch * 2 // 3
+            continue
         predicted = predicted_cache_bytes(target.cfg, batch, context, dtype.itemsize)
         need = predicted["total"] + workspace
         if need > budget_bytes:
@@ -322,9 +329,11 @@ def run(quick: bool = False, out: str = "results", only: Optional[Sequence[str]]
                 rows.append(dict(base, **result))
                 bar.update(1)
         del target  # frees the weights and executables before the next architecture
+        # Written after every architecture: a run stopped early keeps what it measured.
+        record.update(archs=arch_info, rows=rows, speedups=speedups(rows), complete=key == keys[-1])
+        result = C.finish(record, NAME, out, plot(record))
     bar.close()
-    record.update(archs=arch_info, rows=rows, speedups=speedups(rows))
-    return C.finish(record, NAME, out, plot(record))
+    return result
 
 
 def _ok(rows, arch, context, mode) -> Optional[dict]:

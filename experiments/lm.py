@@ -50,7 +50,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -187,8 +187,11 @@ def train_with_curve(sweep: LMSweep, train: dict, val: dict, bar=None) -> dict:
 
 
 def run_sweeps(plan: Sequence[tuple[str, LMSweep]], train: dict, val: dict, desc: str,
-               compile_workers: Optional[int] = None) -> dict[str, dict]:
-    """Train every ``(name, sweep)`` of ``plan`` (compiling ahead in threads); ``{name: train_with_curve(...)}``."""
+               compile_workers: Optional[int] = None,
+               on_result: Optional[Callable[[dict], None]] = None) -> dict[str, dict]:
+    """Train every ``(name, sweep)`` of ``plan`` (compiling ahead in threads); ``{name: train_with_curve(...)}``.
+
+    ``on_result(results so far)`` runs after each sweep (the scripts save a partial JSON there)."""
     seq_len = train["tokens"].shape[1]
     jobs = [(sweep, dict(train_rows=train["tokens"].shape[0], seq_len=seq_len, val_rows=val["tokens"].shape[0]))
             for _, sweep in plan]
@@ -196,6 +199,8 @@ def run_sweeps(plan: Sequence[tuple[str, LMSweep]], train: dict, val: dict, desc
     results = {}
     for (name, _), (sweep, compile_s) in zip(plan, T.compiled_ahead(jobs, compile_workers)):
         results[name] = dict(train_with_curve(sweep, train, val, bar), compile_s=compile_s)
+        if on_result is not None:
+            on_result(results)
     bar.close()
     return results
 
@@ -209,7 +214,7 @@ def bits_per_byte(nats: float) -> float:
 # ----------------------------------------------------------------------------
 def base_config(label: str, pattern: str, extra: dict, b: Budget) -> ModelConfig:
     """The scorecard's recipe (FFN 4d, MoE experts d wide, MLA sizes from the head) at this width."""
-    sb = dataclasses.replace(S.FULL, d_model=b.d_model, head_dim=b.head_dim, seq_len=b.seq_len, vocab=VOCAB,
+    sb = dataclasses.replace(S.WIDE, d_model=b.d_model, head_dim=b.head_dim, seq_len=b.seq_len, vocab=VOCAB,
                              decode_context=b.seq_len, decode_tokens=0)
     return S.model_config(label, pattern, extra, sb).replace(chunk_size=min(64, b.seq_len))
 
@@ -292,7 +297,10 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, archs: Optiona
     train = text_rows("train", b.seq_len, b.train_rows)
     val = text_rows("val", b.seq_len, b.val_rows)
     t_start = time.perf_counter()
-    results = run_sweeps(list(configs.items()), train, val, "lm", compile_workers)
+    names = {same: sweep.cfg.name for same, sweep in configs.items()}
+    partial = dict(C.provenance(NAME, quick), budget=dataclasses.asdict(b), target_params=target)
+    results = run_sweeps(list(configs.items()), train, val, "lm", compile_workers, on_result=lambda done: C.save_partial(
+        dict(partial, finished={names[c]: r for c, r in done.items()}), NAME, out))
     for row in rows:
         row.update(results[row.pop("config")])
 

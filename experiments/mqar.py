@@ -137,7 +137,7 @@ def check_widths(widths: Sequence[int], arg: str = "widths") -> tuple[int, ...]:
 def model_config(label: str, pattern: str, extra: dict, d_model: int, seq_len: int, vocab: int) -> ModelConfig:
     """The scorecard's config recipe (FFN 4d, MoE experts d wide, MLA sizes from the head) at this
     width, with 64-wide heads, room for ``seq_len`` positions and a chunk of up to 64 tokens."""
-    b = dataclasses.replace(S.FULL, d_model=d_model, head_dim=min(HEAD_DIM, d_model), seq_len=seq_len, vocab=vocab,
+    b = dataclasses.replace(S.WIDE, d_model=d_model, head_dim=min(HEAD_DIM, d_model), seq_len=seq_len, vocab=vocab,
                             decode_context=seq_len, decode_tokens=0)
     return S.model_config(label, pattern, extra, b).replace(chunk_size=min(64, seq_len))
 

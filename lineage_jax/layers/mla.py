@@ -57,6 +57,15 @@ def _einsum(spec: str, *operands: Array) -> Array:
     return jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST)
 
 
+def _read(spec: str, x: Array, cached: Array) -> Array:
+    """``einsum(spec, x, cached)`` with ``cached`` (a decode cache) in its stored dtype: ``x`` is
+    rounded to it, products accumulate in float32 (float64 for a float64 cache)."""
+    acc = jnp.result_type(jnp.float32, cached)
+    # HIGHEST keeps float32 caches exact (no TF32); bf16 products are exact in float32 anyway.
+    precision = lax.Precision.HIGHEST if cached.dtype.itemsize >= 4 else lax.Precision.DEFAULT
+    return jnp.einsum(spec, x.astype(cached.dtype), cached, precision=precision, preferred_element_type=acc)
+
+
 def mla_cache_values_per_token(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
     """Values an MLA cache stores per token and layer: the latent plus the shared rope key."""
     for name, val in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim)):
@@ -305,13 +314,16 @@ class MLA(nnx.Module):
         latent = cache.latent.at[rows, pos].set(c.astype(cache.latent.dtype))
         k_rope_all = cache.k_rope.at[rows, pos].set(k_rope.astype(cache.k_rope.dtype))
 
+        # The cache is read in its stored dtype (a float32 copy of a bf16 latent cache would be
+        # the step's largest buffer: on an H200 at 1M tokens it cut the batch that fits by ~3x);
+        # the query side and the probabilities are rounded to it, products accumulate in
+        # float32 (the policy of ``memory.softmax``'s ``_attend``).
         f32 = jnp.float32
-        c_all = latent.astype(f32)
         q_lat = _einsum("bhn,chn->bhc", q_nope.astype(f32), self.wk_up.kernel[...].astype(f32))
-        s = (_einsum("bhc,blc->bhl", q_lat, c_all)
-             + _einsum("bhr,blr->bhl", q_rope.astype(f32), k_rope_all.astype(f32))) * self.scale
+        s = (_read("bhc,blc->bhl", q_lat, latent)
+             + _read("bhr,blr->bhl", q_rope, k_rope_all)) * self.scale
         visible = jnp.arange(L)[None, None, :] <= pos[:, None, None]            # [B, 1, L]
         p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
-        o_lat = _einsum("bhl,blc->bhc", p, c_all)
+        o_lat = _read("bhl,blc->bhc", p, latent)
         o = _einsum("bhc,chv->bhv", o_lat, self.wv_up.kernel[...].astype(f32))
         return self._output(o, x_t), MLACache(latent, k_rope_all, pos + 1)

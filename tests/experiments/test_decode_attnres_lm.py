@@ -112,6 +112,10 @@ def test_lm_end_to_end(tmp_path):
     _finite(row["val_loss"], *row["val_curve"], *row["train_curve"])
     assert row["val_loss"] < math.log(256) + 0.5  # no worse than uniform over bytes, give or take
     assert "bits/byte" in LM.table(rec)
+    # The partial record written after each run holds the same finished run.
+    partial = json.loads((tmp_path / "lm" / "lm.partial.json").read_text())
+    assert partial["complete"] is False and list(partial["finished"]) == [row["architecture"]]
+    assert partial["finished"][row["architecture"]]["val_loss"] == row["val_loss"]
 
 
 @pytest.mark.slow
@@ -161,6 +165,9 @@ def test_attnres_end_to_end(tmp_path):
     assert (adv["advantage"] is None) != (adv["advantage_at_least"] is None)
     assert adv["baseline_steps"][-1] == 9  # 1.5 × 6 steps
     assert "compute advantage" in AR.table(rec)
+    partial = json.loads((tmp_path / "attnres" / "attnres.partial.json").read_text())  # saved after each run
+    assert partial["complete"] is False and set(partial["finished"]) == {"attnres", "plain", "plain x1.5"}
+    assert partial["finished"]["plain"]["val_loss"] == rec["models"]["plain"]["val_loss"]
 
 
 @pytest.mark.parametrize("kwargs, arg", [

@@ -246,3 +246,19 @@ def test_bad_inputs_and_full_cache():
     full = model.init_cache(2, 4)._replace(length=jnp.asarray([2, 4], jnp.int32))
     with pytest.raises(ValueError, match="cache"):
         model.decode(x[:, 0], full)
+
+
+def test_decode_reads_a_bf16_cache_without_a_float32_copy():
+    """The decode step reads a bf16 cache in bf16 (float32 accumulation): the lowered program has
+    no float32 tensor of the cache's shape. (An H200 run at 1M tokens found the step's workspace
+    at 1.5x its cache; a float32 copy of the latent cache was one cause. XLA:CPU upcasts bf16
+    dots itself, so the check is on the program JAX emits, not on CPU memory.)"""
+    model = _model(use_rope=True)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda st, x_t, c: nnx.merge(graphdef, st).decode(x_t, c), donate_argnums=2)
+    L = 4096
+    cache = jax.eval_shape(lambda: model.init_cache(2, L, dtype=jnp.bfloat16))
+    text = step.lower(state, jax.ShapeDtypeStruct((2, D), jnp.bfloat16), cache).as_text()
+    assert f"tensor<2x{L}x{KV_LORA}xbf16>" in text  # the check looks at the right shapes
+    for width in (KV_LORA, ROPE):
+        assert f"tensor<2x{L}x{width}xf32>" not in text, f"a float32 copy of a [2, {L}, {width}] cache leaf"
