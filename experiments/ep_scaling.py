@@ -1,7 +1,7 @@
 """Expert-parallel MoE training across devices: data parallel vs expert parallel, one process.
 
     python -m experiments.ep_scaling [--quick] [--out results] [--gpus 1,2,4,8] [--layouts dp,ep,dp2ep]
-        [--experts 64] [--top-k 4] [--d-model 2048] [--layers 8] [--seq 1024] [--batch 32] [--steps 30]
+        [--experts 64] [--top-k 4] [--d-model 2048] [--layers 8] [--seq 1024] [--batch 8] [--steps 30]
         [--dtype auto|float32|bfloat16] [--impl auto|ragged|dense|ragged_reference] [--budget-s 520]
 
 **Model**: ``tiny_k3`` (KDA ×3 : MLA, bounded KDA gate, AttnRes blocks of 4, a dense first
@@ -12,8 +12,13 @@ kv-LoRA ``d/2``, dense FFN ``2d``; heads of 128 (of 16 below ``d=512``)), with
 ``--experts`` routed experts (default 64), ``--top-k`` (default 4), ``--layers`` layers
 of the ``KKKM`` pattern. Default: ``d_model 2048``, 8 layers (7 MoE), 64 experts: about
 1.6B parameters, 1.4B of them routed experts (the printed header gives the exact count);
-float32 parameters + AdamW = 16 bytes/parameter ≈ 26 GB, so the 1-device baseline still
-fits one H200 while expert parallelism shows the per-device memory fall. Vocabulary 256
+float32 parameters + AdamW = 16 bytes/parameter ≈ 26 GB; global batch 8 × 1024 tokens (one
+sequence per device on 8 GPUs). The batch was 32 until a 1-H200 run (2026-11-29) failed
+asking for a 197 GiB temporary buffer: XLA expanded the experts' ``ragged_dot`` densely
+(fixed since: ``lineage_jax.layers.grouped``), and the XLA chunked KDA's per-channel
+sub-block scores (``[B, H, N, 4, 16, 16, 128]`` float32, 8.6 GB each at batch 32) remain
+large — XLA:CPU's memory analysis of the 1-device step: 280 GB of temporaries at batch 32,
+80 GB at batch 8 (+ 20 GB of arguments), so the baseline fits one H200 again. Vocabulary 256
 (bytes of the Python standard library's sources, ``lineage_jax.data``).
 
 **Runs**: for each device count ``n`` of ``--gpus`` (default 1, 2, 4, 8 capped at
@@ -109,7 +114,7 @@ class Budget:
 
 QUICK = Budget(experts=8, top_k=2, d_model=64, layers=2, moe_hidden=None, seq=64, batch=8, steps=6, warmup=2,
                compare_steps=6, dtype="float32", lr=3e-3, a2a_reps=3)
-FULL = Budget(experts=64, top_k=4, d_model=2048, layers=8, moe_hidden=None, seq=1024, batch=32, steps=30, warmup=5,
+FULL = Budget(experts=64, top_k=4, d_model=2048, layers=8, moe_hidden=None, seq=1024, batch=8, steps=30, warmup=5,
               compare_steps=10, dtype="auto", lr=1e-3, a2a_reps=10)
 
 
@@ -621,7 +626,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--layers", type=C.positive_int, default=None, help="layers of KKKM... (default 8; quick 2)")
     parser.add_argument("--moe-hidden", type=C.positive_int, default=None, help="routed-expert hidden (d_model/2)")
     parser.add_argument("--seq", type=C.positive_int, default=None, help="sequence length (default 1024; quick 64)")
-    parser.add_argument("--batch", type=C.positive_int, default=None, help="global batch (default 32; quick 8)")
+    parser.add_argument("--batch", type=C.positive_int, default=None, help="global batch (default 8; quick 8)")
     parser.add_argument("--steps", type=C.positive_int, default=None, help="training steps per run (default 30)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 5)")
     parser.add_argument("--compare-steps", type=C.positive_int, default=None,

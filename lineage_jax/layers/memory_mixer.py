@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from lineage_jax import memory
+from lineage_jax.memory.rules import BACKENDS
 from lineage_jax.memory.segments import document_index
 from lineage_jax.layers.common import Dense, RMSNorm, l2_normalize, normal, param
 
@@ -110,7 +111,7 @@ class MemoryMixer(nnx.Module):
     def __init__(self, d_model: int, *, rule: str, num_heads: int, head_dim: int, v_head_dim: Optional[int] = None,
                  conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
                  output_norm: Optional[bool] = None, output_gate: Optional[str] = None, chunk_size: int = 64,
-                 rngs: nnx.Rngs):
+                 backend: str = "xla", rngs: nnx.Rngs):
         if rule not in RULES:
             raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
@@ -118,6 +119,8 @@ class MemoryMixer(nnx.Module):
                 raise ValueError(f"MemoryMixer: `{name}` must be a positive int, got {val!r}")
         if conv_size < 0 or conv_size == 1:
             raise ValueError(f"MemoryMixer: `conv_size` must be 0 (none) or >= 2, got {conv_size}")
+        if backend not in BACKENDS:
+            raise ValueError(f"MemoryMixer: `backend` must be one of {BACKENDS}, got {backend!r}")
         if kda_gate not in KDA_GATES:
             raise ValueError(f"MemoryMixer: `kda_gate` must be one of {KDA_GATES}, got {kda_gate!r}")
         defaults = {"linear": (False, "none"), "deltanet": (True, "none"), "gdn": (True, "full"), "kda": (True, "lowrank")}
@@ -132,7 +135,7 @@ class MemoryMixer(nnx.Module):
             raise ValueError(f"MemoryMixer: `gate_rank` must be positive, got {rank}")
         self.rule, self.d_model, self.num_heads, self.head_dim, self.v_head_dim = rule, d_model, H, K, Vd
         self.conv_size, self.kda_gate, self.gate_bound, self.chunk_size = conv_size, kda_gate, gate_bound, chunk_size
-        self.output_gate = output_gate
+        self.output_gate, self.backend = output_gate, backend
 
         self.q = Dense(d_model, (H, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
         self.k = Dense(d_model, (H, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
@@ -212,6 +215,7 @@ class MemoryMixer(nnx.Module):
         kw = dict(initial_state=state, segment_ids=segment_ids, chunk_size=self.chunk_size)
         if self.rule == "linear":
             return memory.linear_attention(q, k, v, normalize=True, **kw)
+        kw["backend"] = self.backend  # the delta rules' chunked form: XLA or the Pallas kernels
         if self.rule == "deltanet":
             return memory.delta_rule(q, k, v, beta, **kw)
         if self.rule == "gdn":

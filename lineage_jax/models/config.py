@@ -53,6 +53,10 @@ class ModelConfig:
     kda_gate: str = "softplus"  # "softplus" (Kimi Linear) | "bounded" (K3: −5·σ(exp(A)·z))
     kda_gate_rank: Optional[int] = None  # default head_dim
     kda_output_gate: str = "lowrank"  # "lowrank" | "full"
+    # Chunked form of the delta rules (D, G, K) in training / prefill: "xla" (lineage_jax.memory's
+    # chunked form), "pallas" (the kernels.delta kernels: Triton on GPU, Mosaic on TPU, interpret
+    # mode on CPU) or "auto" (Pallas on GPU/TPU for float32 activations, else XLA; see memory.rules).
+    memory_backend: str = "xla"
     # MLA (M).
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 0
@@ -154,6 +158,8 @@ def validate(c: ModelConfig) -> None:
         _fail("conv_size", f"must be 0 (none) or >= 2, got {c.conv_size}")
     if c.kda_gate not in ("softplus", "bounded"):
         _fail("kda_gate", f"must be 'softplus' or 'bounded', got {c.kda_gate!r}")
+    if c.memory_backend not in ("xla", "pallas", "auto"):
+        _fail("memory_backend", f"must be 'xla', 'pallas' or 'auto', got {c.memory_backend!r}")
     if c.kda_output_gate not in ("lowrank", "full"):
         _fail("kda_output_gate", f"must be 'lowrank' or 'full', got {c.kda_output_gate!r}")
     if "M" in c.pattern:

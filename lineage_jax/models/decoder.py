@@ -59,7 +59,7 @@ def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
     return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
                        conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
                        gate_rank=cfg.kda_gate_rank, output_gate=cfg.kda_output_gate if kind == "kda" else None,
-                       chunk_size=cfg.chunk_size, rngs=rngs)
+                       chunk_size=cfg.chunk_size, backend=cfg.memory_backend, rngs=rngs)
 
 
 def make_ffn(cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):

@@ -121,19 +121,23 @@ def case_moe() -> dict:
     ref_grad = jax.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
     (_, (y0, _)), (gm0, gx0) = ref_grad(moe, x)
 
-    for name, impls in (("data=2,expert=4", ("dense", "ragged_reference")), ("tensor=2,expert=4", ("dense",)),
-                        ("expert=8", ("ragged_reference",))):
+    # The same weights with the experts' tiled grouped matmul (layers/grouped.py) forced on.
+    moe_tiled = MoE(d, num_experts=8, top_k=2, expert_hidden=12, num_shared_experts=1, matmul_impl="tiled",
+                    rngs=nnx.Rngs(0))
+    for name, impls in (("data=2,expert=4", ("dense", "ragged_reference", "dense+tiled")),
+                        ("tensor=2,expert=4", ("dense",)), ("expert=8", ("ragged_reference", "ragged_reference+tiled"))):
         mesh = make_mesh(name)
         for impl in impls:
-            ep = EP.ExpertParallel(mesh, impl=impl)
+            model = moe_tiled if impl.endswith("+tiled") else moe
+            ep = EP.ExpertParallel(mesh, impl=impl.split("+")[0])
 
             def ep_loss(m, x):
                 y, stats = EP.moe_forward(m, x, ep)
                 return jnp.sum(jnp.sin(y)), (y, stats.tokens_dropped)
 
             f = jax.jit(nnx.value_and_grad(ep_loss, argnums=(0, 1), has_aux=True))
-            text = f.lower(moe, x).as_text()
-            (_, (y, dropped)), (gm, gx) = f(moe, x)
+            text = f.lower(model, x).as_text()
+            (_, (y, dropped)), (gm, gx) = f(model, x)
             res[f"{name}/{impl}"] = dict(
                 y_rel=rel(y, y0), gx_rel=rel(gx, gx0), gw_rel=tree_rel(gm, gm0)[0], dropped=int(dropped),
                 all_to_all_ops=text.count("all_to_all"))

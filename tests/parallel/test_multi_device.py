@@ -34,7 +34,7 @@ def run_case(case: str, timeout: int = 600) -> dict:
 def test_expert_parallel_moe_equals_single_device():
     res = run_case("moe")
     for key in ("data=2,expert=4/dense", "data=2,expert=4/ragged_reference", "tensor=2,expert=4/dense",
-                "expert=8/ragged_reference"):
+                "expert=8/ragged_reference", "data=2,expert=4/dense+tiled", "expert=8/ragged_reference+tiled"):
         r = res[key]
         assert r["y_rel"] <= TOL and r["gx_rel"] <= TOL and r["gw_rel"] <= TOL, (key, r)
         assert r["dropped"] == 0, (key, r)                      # dropless by default
