@@ -84,13 +84,16 @@ def generate(model: Decoder, prompt: list[int], *, max_new_tokens: int = 100, te
     max_len = len(prompt) + max_new_tokens
     if cfg.positions == "learned" and max_len > cfg.max_seq_len:
         raise ValueError(f"generate: prompt + max_new_tokens = {max_len} exceeds max_seq_len={cfg.max_seq_len}")
-    prefill = nnx.jit(lambda m, t, c: m.prefill(t, c))
-    decode = nnx.jit(lambda m, t, c: m.decode(t, c))
+    # Split once; plain jax.jit steps over the state (nnx.jit would re-walk the module graph in
+    # Python on every token), the cache donated so each step updates it in place.
+    graphdef, state = nnx.split(model)
+    prefill = jax.jit(lambda st, t, c: nnx.merge(graphdef, st).prefill(t, c), donate_argnums=2)
+    decode = jax.jit(lambda st, t, c: nnx.merge(graphdef, st).decode(t, c), donate_argnums=2)
     sample = jax.jit(sample_token, static_argnames=("temperature", "top_k", "top_p"))
     key = jax.random.key(seed)
     cache = model.init_cache(1, max_len)
     t0 = time.perf_counter()
-    logits, cache = prefill(model, jnp.asarray([prompt], jnp.int32), cache)
+    logits, cache = prefill(state, jnp.asarray([prompt], jnp.int32), cache)
     logits = logits[:, -1]
     jax.block_until_ready(logits)
     t1 = time.perf_counter()
@@ -103,7 +106,7 @@ def generate(model: Decoder, prompt: list[int], *, max_new_tokens: int = 100, te
             on_token(out)
         if eos_id is not None and out[-1] == eos_id:
             break
-        logits, cache = decode(model, tok.astype(jnp.int32), cache)
+        logits, cache = decode(state, tok.astype(jnp.int32), cache)
     t2 = time.perf_counter()
     stats = {"prompt_tokens": len(prompt), "new_tokens": len(out), "prefill_s": t1 - t0,
              "prefill_tokens_per_s": len(prompt) / max(t1 - t0, 1e-9), "decode_s": t2 - t1,
