@@ -3,6 +3,7 @@
     python -m experiments.ep_scaling [--quick] [--out results] [--gpus 1,2,4,8] [--layouts dp,ep,dp2ep]
         [--experts 64] [--top-k 4] [--d-model 2048] [--layers 8] [--seq 1024] [--batch 8] [--steps 30]
         [--dtype auto|float32|bfloat16] [--impl auto|ragged|dense|ragged_reference] [--budget-s 520]
+        [--memory-backend xla|pallas]
 
 **Model**: ``tiny_k3`` (KDA ×3 : MLA, bounded KDA gate, AttnRes blocks of 4, a dense first
 layer, latent MoE with SiTU-GLU experts and two merged shared experts) widened: every
@@ -92,6 +93,7 @@ IMPLS = ("auto", "ragged", "dense", "ragged_reference")
 DTYPES = ("auto", "float32", "bfloat16")
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 DATA = ("stdlib", "synthetic")
+MEMORY_BACKENDS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +112,7 @@ class Budget:
     lr: float
     a2a_reps: int               # timed repetitions of the all-to-all program
     data: str = "stdlib"
+    memory_backend: str = "xla"  # the KDA layers' chunked form (ModelConfig.memory_backend)
 
 
 QUICK = Budget(experts=8, top_k=2, d_model=64, layers=2, moe_hidden=None, seq=64, batch=8, steps=6, warmup=2,
@@ -135,6 +138,8 @@ def make_budget(quick: bool, **overrides) -> Budget:
         raise ValueError(f"--d-model: must be a multiple of 16 (of 128 from 512 on: heads of 128), got {b.d_model}")
     if b.dtype not in DTYPES:
         raise ValueError(f"--dtype: must be one of {DTYPES}, got {b.dtype!r}")
+    if b.memory_backend not in MEMORY_BACKENDS:
+        raise ValueError(f"--memory-backend: must be one of {MEMORY_BACKENDS}, got {b.memory_backend!r}")
     if b.data not in DATA:
         raise ValueError(f"--data: must be one of {DATA}, got {b.data!r}")
     if not b.lr > 0:
@@ -161,7 +166,8 @@ def model_config(b: Budget, dtype: str) -> ModelConfig:
         shared_hidden=3 * d // 4, q_lora_rank=3 * d // 8, kv_lora_rank=d // 2, qk_nope_head_dim=head_dim,
         qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim, chunk_size=min(64, b.seq),
         attnres_block=min(base.attnres_block, b.layers), first_dense_layers=min(1, b.layers - 1),
-        max_seq_len=max(base.max_seq_len, b.seq), moe_dispatch="ragged", dtype=dtype)
+        max_seq_len=max(base.max_seq_len, b.seq), moe_dispatch="ragged", dtype=dtype,
+        memory_backend=b.memory_backend)
 
 
 # ----------------------------------------------------------------------------- data
@@ -421,12 +427,13 @@ def run(quick: bool = False, out: str = "results", gpus: Optional[Sequence[int]]
         seq: Optional[int] = None, batch: Optional[int] = None, steps: Optional[int] = None,
         warmup: Optional[int] = None, compare_steps: Optional[int] = None, dtype: Optional[str] = None,
         lr: Optional[float] = None, a2a_reps: Optional[int] = None, data: Optional[str] = None,
-        impl: str = "auto", budget_s: Optional[float] = None, seed: int = 0) -> dict:
+        memory_backend: Optional[str] = None, impl: str = "auto", budget_s: Optional[float] = None,
+        seed: int = 0) -> dict:
     """Every device count × layout (module doc); returns the JSON-able record."""
     start = time.perf_counter()
     b = make_budget(quick, experts=experts, top_k=top_k, d_model=d_model, layers=layers, moe_hidden=moe_hidden,
                     seq=seq, batch=batch, steps=steps, warmup=warmup, compare_steps=compare_steps, dtype=dtype, lr=lr,
-                    a2a_reps=a2a_reps, data=data)
+                    a2a_reps=a2a_reps, data=data, memory_backend=memory_backend)
     if impl not in IMPLS:
         raise ValueError(f"--impl: must be one of {IMPLS}, got {impl!r}")
     if budget_s is not None and not budget_s > 0:
@@ -636,6 +643,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--a2a-reps", type=C.positive_int, default=None, help="timed all-to-all repetitions")
     parser.add_argument("--data", default=None, choices=DATA, help="token stream (default stdlib bytes)")
     parser.add_argument("--impl", default="auto", choices=IMPLS, help="expert-parallel exchange")
+    parser.add_argument("--memory-backend", default=None, choices=MEMORY_BACKENDS,
+                        help="KDA chunked form: xla (default) or pallas (the kernels.delta kernels; avoids the XLA "
+                             "form's [B,H,N,4,16,16,K] float32 sub-block scores, untested under sharded layouts)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip runs that would end past this many seconds (a device call allows 600)")
     parser.add_argument("--seed", type=int, default=0)

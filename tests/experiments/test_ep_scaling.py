@@ -95,6 +95,7 @@ def test_files_and_table(record):
     (dict(gpus=[]), "--gpus"),
     (dict(layouts=["tp"]), "--layouts"),
     (dict(impl="nccl"), "--impl"),
+    (dict(memory_backend="triton"), "--memory-backend"),
 ])
 def test_bad_arguments_name_the_flag(tmp_path, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -113,3 +114,13 @@ def test_divisibility_errors(monkeypatch):
     runs = EPS.planned_runs([4, 1, 2], ["dp", "ep", "dp2ep"], EPS.make_budget(True))
     assert [(r["n"], r["mesh"]) for r in runs] == [(1, "-"), (2, "data=2"), (2, "expert=2"), (4, "data=4"),
                                                    (4, "expert=4"), (4, "data=2,expert=2")]
+
+
+def test_pallas_memory_backend_trains_the_same_losses(tmp_path):
+    """``--memory-backend pallas`` (the kernels.delta kernels, interpret mode here) trains the
+    same 1-device losses as the XLA chunked form."""
+    runs = {mb: EPS.run(quick=True, out=str(tmp_path / mb), gpus=[1], memory_backend=mb)["rows"][0]
+            for mb in ("xla", "pallas")}
+    assert runs["pallas"]["status"] == runs["xla"]["status"] == "ok"
+    for a, b in zip(runs["xla"]["losses"], runs["pallas"]["losses"], strict=True):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a))
