@@ -219,6 +219,28 @@ def stacked_macro(cfg: ModelConfig, first: int, period: int, repeats: int, *, rn
 
 
 # ---------------------------------------------------------------------------- the model
+def _scan_with_cache(body, carry, state, stacked_cache, idx):
+    """Scan ``body`` over a stacked layer group with its caches in the *carry*, each layer's
+    slice read and written back in place (``dynamic_update_index_in_dim``).
+
+    As scan ``xs -> ys`` the caches would be rebuilt into a new stacked buffer on every call —
+    XLA does not alias ``ys`` to ``xs`` — so a decode step's workspace exceeded its whole cache
+    (XLA:CPU analysis of a scanned 2-layer GPT-2 decode at 16K: temporaries 1.75x the cache, 0.52x
+    unrolled; on an H200 an MHA decode step's workspace equalled its cache at 1M tokens).
+    """
+    def step(c, xs):
+        h, cache = c
+        st, i, layer_idx = xs
+        mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), cache)
+        h, mine, stats = body(h, (st, mine, layer_idx))
+        cache = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0),
+                             cache, mine)
+        return (h, cache), stats
+
+    (carry, cache), stats = jax.lax.scan(step, (carry, stacked_cache), (state, jnp.arange(len(idx)), idx))
+    return carry, cache, stats
+
+
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -277,7 +299,10 @@ class Decoder(nnx.Module):
                     return carry, (cache, stats)
 
                 idx = first + p * jnp.arange(n)
-                carry, (cache, stats) = jax.lax.scan(scan_body, carry, (state, group_cache, idx))
+                if group_cache is None:
+                    carry, (cache, stats) = jax.lax.scan(scan_body, carry, (state, group_cache, idx))
+                else:
+                    carry, cache, stats = _scan_with_cache(body, carry, state, group_cache, idx)
             new_caches.append(cache)
             moe_stats.append(stats)
         out = stream.final(carry, None if self.final_query is None else self.final_query[...])
