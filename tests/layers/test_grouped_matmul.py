@@ -14,18 +14,10 @@ from lineage_jax.layers import grouped as GR
 from lineage_jax.layers import moe as M
 from lineage_jax.parallel import expert as EP
 from lineage_jax.parallel.mesh import make_mesh
+from tests._numerics import fp32_matmuls, rel_err  # noqa: F401 (fp32_matmuls: fixture)
 
 
-@pytest.fixture(autouse=True)
-def _fp32_matmuls():
-    """True float32 matmuls, so fp32-rounding tolerances also hold on GPUs (TF32 by default)."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+pytestmark = pytest.mark.usefixtures("fp32_matmuls")
 
 
 # (M, K, N, group_sizes, tile)

@@ -11,21 +11,13 @@ import pytest
 from flax import nnx
 
 from lineage_jax.layers import moe as M
+from tests._numerics import fp32_matmuls, rel_err  # noqa: F401 (fp32_matmuls: fixture)
 
 D, E, K, H = 16, 8, 2, 12
 B, T = 2, 24
 
 
-@pytest.fixture(autouse=True)
-def _fp32_matmuls():
-    """True float32 matmuls, so fp32-rounding tolerances also hold on GPUs (TF32 by default)."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+pytestmark = pytest.mark.usefixtures("fp32_matmuls")
 
 
 def make(seed=0, **kw):
