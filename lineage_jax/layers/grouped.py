@@ -40,6 +40,7 @@ import numpy as np
 from jax import lax
 
 from lineage_jax.layers.ffn import glu
+from lineage_jax.memory._validate import is_concrete
 
 Array = jax.Array
 
@@ -75,6 +76,8 @@ def _check(x, w, group_sizes, impl, tile) -> None:
                          f"got shape {jnp.shape(group_sizes)}")
     if not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
         raise ValueError(f"grouped_matmul: `group_sizes` must be integer, got {jnp.result_type(group_sizes)}")
+    if is_concrete(group_sizes) and bool(jnp.any(group_sizes < 0)):  # traced values cannot be checked
+        raise ValueError(f"grouped_matmul: `group_sizes` must be >= 0, got {group_sizes.tolist()}")
 
 
 def _out_dtype(x, w, group_sizes):

@@ -184,3 +184,5 @@ def test_bad_arguments():
         GR.grouped_matmul(x, w, gs[:1])
     with pytest.raises(ValueError, match="group_sizes"):
         GR.grouped_matmul(x, w, gs.astype(jnp.float32))
+    with pytest.raises(ValueError, match="group_sizes.*>= 0"):
+        GR.grouped_matmul(x, w, jnp.asarray([7, -2], jnp.int32), impl="tiled")
