@@ -19,7 +19,8 @@ asking for a 197 GiB temporary buffer: XLA expanded the experts' ``ragged_dot`` 
 (fixed since: ``lineage_jax.layers.grouped``), and the XLA chunked KDA's per-channel
 sub-block scores (``[B, H, N, 4, 16, 16, 128]`` float32, 8.6 GB each at batch 32) remain
 large — XLA:CPU's memory analysis of the 1-device step: 280 GB of temporaries at batch 32,
-80 GB at batch 8 (+ 20 GB of arguments), so the baseline fits one H200 again. Vocabulary 256
+80 GB at batch 8 (+ 20 GB of arguments), so the baseline should fit one H200 again (not yet
+run on a GPU). Vocabulary 256
 (bytes of the Python standard library's sources, ``lineage_jax.data``).
 
 **Runs**: for each device count ``n`` of ``--gpus`` (default 1, 2, 4, 8 capped at

@@ -8,8 +8,8 @@ contiguous row groups, group ``g`` multiplied by ``w[g] [K, N]``; rows at index
   (Mosaic), the right choice there. XLA:GPU and XLA:CPU expand it into a *dense* dot over
   every group, with a ``[G, M, N]`` intermediate: the grad of one
   ``[131072, 1024] x [64, 1024, 1024]`` bf16 ragged_dot compiles on the CPU to 120 GB of
-  temporaries, and an MoE training step on one H200 (64 experts, 32K tokens, top-4)
-  asked for a 197 GiB buffer and failed.
+  temporaries; it was one of two causes (the XLA chunked KDA form the other) of an MoE
+  training step on one H200 (64 experts, 32K tokens, top-4) asking for a 197 GiB buffer.
 * ``"tiled"``: a pure-JAX block-sparse grouped matmul. Every group is padded to a
   multiple of ``tile`` rows, each row tile gets its group's id, and the tiles are
   multiplied by their own group's weight a static block of tiles at a time under
@@ -48,7 +48,7 @@ GROUPED_MATMUL_IMPLS = ("auto", "ragged_dot", "tiled")
 
 # "auto" keeps jax.lax.ragged_dot while its dense [G, M, N] expansion on GPU/CPU stays at
 # most this many bytes: small models then run exactly as before (one fused dot, no scan),
-# and only shapes whose expansion would dominate memory (the 197 GiB H200 failure) switch
+# and only shapes whose expansion would dominate memory (one cause of the 197 GiB H200 failure) switch
 # to the tiled path.
 DENSE_EXPANSION_LIMIT_BYTES = 256 * 2**20
 

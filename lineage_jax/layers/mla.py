@@ -315,7 +315,8 @@ class MLA(nnx.Module):
         k_rope_all = cache.k_rope.at[rows, pos].set(k_rope.astype(cache.k_rope.dtype))
 
         # The cache is read in its stored dtype (a float32 copy of a bf16 latent cache would be
-        # the step's largest buffer: on an H200 at 1M tokens it cut the batch that fits by ~3x);
+        # the step's largest buffer: one cause of the H200 decode workspace of 1.5x the cache
+        # at 1M tokens, which cut the batch that fits by ~3x);
         # the query side and the probabilities are rounded to it, products accumulate in
         # float32 (the policy of ``memory.softmax``'s ``_attend``).
         f32 = jnp.float32

@@ -16,8 +16,8 @@
 * **Dispatch**: ``"ragged"`` is dropless: assignments sorted by expert, then grouped
   matmuls (:func:`~lineage_jax.layers.grouped.grouped_matmul`, ``matmul_impl``). On TPU
   that is ``jax.lax.ragged_dot`` (a native grouped matmul). XLA:GPU/CPU expand
-  ``ragged_dot`` into a dense ``[E, N·k, H]`` dot over all experts (an H200 training step
-  with 64 experts, 32K tokens, top-4 asked for a 197 GiB buffer; the CPU memory analysis
+  ``ragged_dot`` into a dense ``[E, N·k, H]`` dot over all experts (one of two causes of an H200
+  training step with 64 experts, 32K tokens, top-4 asking for a 197 GiB buffer; the CPU memory analysis
   of one ``[131072, 1024] x [64, 1024, 1024]`` grad is 120 GB), so there ``"auto"`` keeps
   ``ragged_dot`` only while that expansion is at most 256 MiB and otherwise runs the
   pure-JAX tiled grouped matmul (memory ``O(N·k·(W + H))`` plus weight-sized buffers).

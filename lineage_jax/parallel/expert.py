@@ -16,8 +16,8 @@ grouped matmuls, combine — run inside ``shard_map``, reading the ``MoE`` modul
    matmuls, :func:`~lineage_jax.layers.grouped.grouped_glu_mlp` (the same code as the
    single-device ``MoE``, with its ``matmul_impl``): ``jax.lax.ragged_dot`` on TPU (native
    grouped matmul); on GPU/CPU, where XLA expands ``ragged_dot`` into a dense
-   ``[E_loc, ep·C, H]`` dot (a 197 GiB buffer on one H200 for 64 experts, 32K tokens,
-   top-4; 120 GB in the CPU memory analysis of one ``[131072, 1024] x [64, 1024, 1024]``
+   ``[E_loc, ep·C, H]`` dot (one of two causes of a 197 GiB buffer on one H200 for 64 experts,
+   32K tokens, top-4; 120 GB in the CPU memory analysis of one ``[131072, 1024] x [64, 1024, 1024]``
    grad), ``"auto"`` switches to the pure-JAX tiled grouped matmul once that expansion
    exceeds 256 MiB. The ``expert_mlp`` hidden dimension may be split over ``tensor``:
    partial sums are ``psum``-ed after the combine;
