@@ -33,8 +33,10 @@ also split over the expert axis, by the library's rules); ``dp2ep``: ``data=2,ex
 global batches (fixed ``--batch`` × ``--seq`` and seed). ``n = 1`` is the plain one-device
 step (no mesh, the single-device ragged MoE). MoE dispatch is dropless (``ragged``), so
 expert parallelism computes the same function and losses agree with ``n = 1`` up to
-rounding; ``--impl`` picks the exchange (``auto``: ``ragged_all_to_all`` on GPU, dense
-``all_to_all`` on CPU).
+rounding; ``--impl`` picks the exchange (``auto``: ``ragged_all_to_all`` on TPU, the dense
+``all_to_all`` elsewhere — on GPUs ``ragged_all_to_all``'s gradient was measured wrong, see
+:mod:`lineage_jax.parallel.expert`). Float32 runs set ``jax.default_matmul_precision("highest")``
+(GPUs otherwise multiply float32 in TF32, whose rounding differs between layouts).
 
 **Measured per run**: per-step losses; compile time (AOT ``lower().compile()``); median
 step time after ``--warmup`` steps (each step ``block_until_ready``, batches already on
@@ -470,12 +472,26 @@ def run(quick: bool = False, out: str = "results", gpus: Optional[Sequence[int]]
             "loss_agreement": f"max |loss - loss(n=1)| over the first {b.compare_steps} steps; tolerance "
                               f"{TOLERANCE[act]} ({act} activations)",
         })
-    rows: list[dict] = []
     print(f"{cfg.name}: {counts['total'] / 1e6:.1f}M parameters ({comps.get('routed_experts', 0) / 1e6:.1f}M in "
           f"routed experts, {counts['active'] / 1e6:.1f}M active), {moe_layers} MoE layers, {act} activations; "
           f"global batch {b.batch} x {b.seq} tokens; {len(runs)} runs on {C.device_info()['description']}",
           flush=True)
     bar = C.progress(desc="ep_scaling", total=len(runs) * b.steps, unit="step")
+    # float32 runs check exactness: on GPUs XLA's default float32 matmul is TF32 (10-bit mantissa),
+    # whose rounding differs between layouts; bfloat16 runs keep the default.
+    record["matmul_precision"] = "highest" if act == "float32" else "default"
+    with jax.default_matmul_precision(record["matmul_precision"]):
+        _sweep(runs, record, cfg, b, batches, impl, seed, bar, budget_s, start, moe_layers, act, out)
+    bar.close()
+    rows = record.setdefault("rows", [])
+    compare_losses(rows, b.compare_steps, TOLERANCE[act])
+    record.update(rows=rows, wall_s=time.perf_counter() - start)
+    return C.finish(record, NAME, out, plot(record))
+
+
+def _sweep(runs, record, cfg, b, batches, impl, seed, bar, budget_s, start, moe_layers, act, out) -> None:
+    """Every planned run in turn; ``record['rows']`` and the files are rewritten after each."""
+    rows = record.setdefault("rows", [])
     longest = 0.0
     for spec in runs:
         elapsed = time.perf_counter() - start
@@ -506,10 +522,6 @@ def run(quick: bool = False, out: str = "results", gpus: Optional[Sequence[int]]
         compare_losses(rows, b.compare_steps, TOLERANCE[act])
         record.update(rows=rows, wall_s=time.perf_counter() - start)
         C.finish(record, NAME, out, plot(record))         # rewritten after every run: a cut call keeps them
-    bar.close()
-    compare_losses(rows, b.compare_steps, TOLERANCE[act])
-    record.update(rows=rows, wall_s=time.perf_counter() - start)
-    return C.finish(record, NAME, out, plot(record))
 
 
 def compare_losses(rows: list[dict], compare_steps: int, tol: float) -> None:

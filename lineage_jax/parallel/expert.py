@@ -43,7 +43,18 @@ Three exchange implementations (``impl``), identical in result:
   capacity-bounded dense all-to-all; runs everywhere, sends ``ep·C`` rows);
 * ``"ragged_reference"``: the ``"ragged"`` bookkeeping with ``ragged_all_to_all``
   emulated by a dense all-to-all — so the ragged offsets are tested on the CPU;
-* ``"auto"``: ``"ragged"`` on GPU/TPU, ``"dense"`` elsewhere.
+* ``"auto"``: ``"ragged"`` on TPU, ``"dense"`` elsewhere.
+
+**``"ragged"`` on GPUs computes wrong gradients** across devices (measured 2026-11-29, 2 H200s
+in one process, jax 0.11.2, CUDA 13): forward outputs equal the dense exchange's (rel 4e-8) but
+the gradient with respect to the tokens is unrelated to it (rel 0.80 for the exchange alone,
+1.03 through an ``MoE``; ``tests/parallel/test_accelerator.py``), identically with the
+ragged-all-to-all decomposer on; with XLA's one-shot kernel off XLA refuses to run it (NCCL
+fallback disabled). The same program with ``"ragged_reference"`` (identical offsets through a
+dense ``all_to_all``) is right on the CPU, so the offsets are not the cause; not diagnosed
+further. A full-size ``ragged`` training run on 2 H200s also hung (a collective rendezvous
+timed out) where ``"dense"`` ran. Hence ``"auto"`` is ``"dense"`` on GPUs, and an explicit
+``impl="ragged"`` with a GPU expert axis > 1 warns.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Optional
 
 import jax
@@ -94,6 +106,11 @@ class ExpertParallel:
         axes = mesh_axes_of("experts", self.rules)
         if len(axes) != 1:
             raise ValueError(f"ExpertParallel: `rules` must map 'experts' to exactly one mesh axis, got {axes}")
+        if (self.impl == "ragged" and self.expert_size > 1
+                and self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")):
+            warnings.warn("ExpertParallel(impl='ragged') on GPUs: jax.lax.ragged_all_to_all gave wrong gradients "
+                          "across 2 H200s (jax 0.11.2; forward correct) — see lineage_jax.parallel.expert; "
+                          "impl='dense' (the GPU default) is exact", RuntimeWarning, stacklevel=3)
 
     @property
     def expert_axis(self) -> str:
@@ -106,8 +123,7 @@ class ExpertParallel:
     def resolved_impl(self) -> str:
         if self.impl != "auto":
             return self.impl
-        platform = self.mesh.devices.flat[0].platform
-        return "ragged" if platform in ("gpu", "cuda", "rocm", "tpu") else "dense"
+        return "ragged" if self.mesh.devices.flat[0].platform == "tpu" else "dense"
 
 
 def check_num_experts(num_experts: int, mesh: Mesh, rules: Optional[Rules] = None) -> None:
