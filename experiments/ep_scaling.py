@@ -1,6 +1,6 @@
 """Expert-parallel MoE training across devices: data parallel vs expert parallel, one process.
 
-    python -m experiments.ep_scaling [--quick] [--out results] [--gpus 1,2,4,8] [--layouts dp,ep,dp2ep]
+    python -m experiments.ep_scaling [--quick] [--out results] [--gpus 1,2,4,8] [--layouts dp,ep,dp2ep[,fsdp]]
         [--experts 64] [--top-k 4] [--d-model 2048] [--layers 8] [--seq 1024] [--batch 8] [--steps 30]
         [--dtype auto|float32|bfloat16] [--impl auto|ragged|dense|ragged_reference] [--budget-s 520]
         [--memory-backend xla|pallas]
@@ -27,7 +27,8 @@ run on a GPU). Vocabulary 256
 ``jax.device_count()``) and each layout — ``dp``: mesh ``data=n`` (everything replicated);
 ``ep``: ``expert=n`` (experts split over all devices; tokens and the dense weights' width
 also split over the expert axis, by the library's rules); ``dp2ep``: ``data=2,expert=n/2``
-(n >= 4) — train ``--steps`` steps of the library's training step
+(n >= 4); opt-in ``fsdp``: ``fsdp=n`` (every weight's model width split, no expert
+parallelism: the dense layers sharded as in ``ep`` without the all-to-all) — train ``--steps`` steps of the library's training step
 (``lineage_jax.train.step``: ``make_parallel``, ``init_state`` born sharded, one jitted
 ``jit_steps`` program per step, AdamW + clipping + router-bias updates) on the *same*
 global batches (fixed ``--batch`` × ``--seq`` and seed). ``n = 1`` is the plain one-device
@@ -92,6 +93,7 @@ from lineage_jax.models import ModelConfig, get_config
 
 NAME = "ep_scaling"
 LAYOUTS = ("dp", "ep", "dp2ep")
+EXTRA_LAYOUTS = ("fsdp",)        # accepted by --layouts, not run by default
 IMPLS = ("auto", "ragged", "dense", "ragged_reference")
 DTYPES = ("auto", "float32", "bfloat16")
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -217,9 +219,10 @@ def planned_runs(gpus: Sequence[int], layouts: Sequence[str], b: Budget) -> list
             raise ValueError(f"--gpus: device counts must be positive ints, got {n!r}")
         if n > available:
             raise ValueError(f"--gpus: {n} devices asked for, {available} available ({C.device_info()['description']})")
-    bad = sorted(set(layouts) - set(LAYOUTS))
+    bad = sorted(set(layouts) - set(LAYOUTS + EXTRA_LAYOUTS))
     if bad or not layouts:
-        raise ValueError(f"--layouts: unknown layout(s) {bad or list(layouts)}; valid: {','.join(LAYOUTS)}")
+        raise ValueError(f"--layouts: unknown layout(s) {bad or list(layouts)}; "
+                         f"valid: {','.join(LAYOUTS + EXTRA_LAYOUTS)}")
     runs = []
     for n in sorted(set(gpus)):
         if n == 1:
@@ -230,6 +233,8 @@ def planned_runs(gpus: Sequence[int], layouts: Sequence[str], b: Budget) -> list
                 sizes = {"data": n}
             elif layout == "ep":
                 sizes = {"expert": n}
+            elif layout == "fsdp":
+                sizes = {"fsdp": n}
             else:
                 if n < 4 or n % 2:
                     continue    # data=2 × expert=n/2 needs n >= 4 (n = 2 would be plain dp)
