@@ -64,7 +64,7 @@ from flax import nnx
 
 from experiments import common as C
 from lineage_jax import accounting
-from lineage_jax.models import Decoder, ModelConfig
+from lineage_jax.models import Decoder, ModelConfig, inference_steps
 
 NAME = "decode_scaling"
 # key -> (label, repeating unit of the layer pattern)
@@ -214,10 +214,8 @@ class Target:
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self.model = Decoder(cfg, rngs=nnx.Rngs(0))
-        graphdef, self.state = nnx.split(self.model)
+        self.state, _, self.step = inference_steps(self.model)
         self.weight_bytes = tree_bytes(self.state)
-        self.step = jax.jit(lambda state, token, cache: nnx.merge(graphdef, state).decode(token, cache),
-                            donate_argnums=2)
         self._executables: dict = {}
 
     def compile(self, batch: int, context: int, dtype):

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from lineage_jax.models import Decoder, ModelConfig
+from lineage_jax.models import Decoder, ModelConfig, inference_steps
 from lineage_jax.train.config import TrainConfig
 from lineage_jax.train.step import init_state, make_train_step
 
@@ -49,18 +49,15 @@ class Mixture:
 def decode_ms_per_token(model: Decoder, vocab: int, context: int, tokens: int, batch: int = 1, seed: int = 0) -> float:
     """Median wall-clock ms of one jitted decode step after prefilling ``context`` random tokens.
 
-    The module is split once and the step is a plain ``jax.jit`` of ``(state, token, cache)``
-    with the cache donated (updated in place): ``nnx.jit`` re-walks the module graph in Python
-    on every call, a cost that grows with the number of parameter leaves and, for small models,
-    dominated the time (on the CPU an unscanned 4-layer hybrid with MoE timed 2.5× a scanned
-    KDA stack through nnx.jit, 1.6× this way: 3.99 / 1.58 -> 1.04 / 0.64 ms; the scorecard's
-    first H200 decode column had this bias).
+    Through :func:`lineage_jax.models.inference_steps` (split once, ``jax.jit``, cache donated):
+    timing through ``nnx.jit`` measured its per-call graph walk as well (on the CPU an unscanned
+    4-layer hybrid with MoE timed 2.5× a scanned KDA stack that way, 1.6× this way: 3.99 / 1.58
+    -> 1.04 / 0.64 ms; the scorecard's first H200 decode column had this bias).
     """
     ctx = jax.random.randint(jax.random.key(seed), (batch, context), 2, vocab)
     cache = model.init_cache(batch, context + tokens + 1)
-    graphdef, state = nnx.split(model)
-    _, cache = jax.jit(lambda st, t, c: nnx.merge(graphdef, st).prefill(t, c))(state, ctx, cache)
-    step = jax.jit(lambda st, t, c: nnx.merge(graphdef, st).decode(t, c), donate_argnums=2)
+    state, prefill, step = inference_steps(model)
+    _, cache = prefill(state, ctx, cache)
     tok = jnp.zeros((batch,), jnp.int32)
     logits, cache = step(state, tok, cache)  # compile
     jax.block_until_ready(logits)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lineage_jax.models import Decoder, ModelConfig
+from lineage_jax.models import Decoder, ModelConfig, inference_steps
 from lineage_jax.train.checkpoint import Checkpointer
 from lineage_jax.train.config import TrainConfig
 from lineage_jax.train.step import init_state
@@ -84,11 +84,7 @@ def generate(model: Decoder, prompt: list[int], *, max_new_tokens: int = 100, te
     max_len = len(prompt) + max_new_tokens
     if cfg.positions == "learned" and max_len > cfg.max_seq_len:
         raise ValueError(f"generate: prompt + max_new_tokens = {max_len} exceeds max_seq_len={cfg.max_seq_len}")
-    # Split once; plain jax.jit steps over the state (nnx.jit would re-walk the module graph in
-    # Python on every token), the cache donated so each step updates it in place.
-    graphdef, state = nnx.split(model)
-    prefill = jax.jit(lambda st, t, c: nnx.merge(graphdef, st).prefill(t, c), donate_argnums=2)
-    decode = jax.jit(lambda st, t, c: nnx.merge(graphdef, st).decode(t, c), donate_argnums=2)
+    state, prefill, decode = inference_steps(model)   # split once, cache donated
     sample = jax.jit(sample_token, static_argnames=("temperature", "top_k", "top_p"))
     key = jax.random.key(seed)
     cache = model.init_cache(1, max_len)

@@ -363,3 +363,28 @@ class Decoder(nnx.Module):
         for g, j, moe in self.moe_layers():
             moe.update_bias(aux["moe"][g][j], rule=rule, rate=rate)
 
+
+
+class InferenceSteps(NamedTuple):
+    """A :class:`Decoder` split once into its state and two jitted steps over it.
+
+    ``prefill(state, tokens [B, T], cache) -> (logits [B, T, V], cache)`` and
+    ``decode(state, token [B], cache) -> (logits [B, V], cache)`` are plain ``jax.jit``
+    functions with the cache donated (updated in place). Why not ``nnx.jit``: it re-walks the
+    module graph in Python on every call, a cost that grows with the number of parameter
+    leaves and, for small models, dominated per-token time (CPU, an unscanned 4-layer hybrid
+    with MoE: 3.99 ms/token through ``nnx.jit``, 1.04 ms this way). ``state`` is a snapshot:
+    re-split after changing the module's parameters.
+    """
+
+    state: Any
+    prefill: Any
+    decode: Any
+
+
+def inference_steps(model: Decoder) -> InferenceSteps:
+    """``model`` split once; jitted ``prefill`` and ``decode`` over its state (cache donated)."""
+    graphdef, state = nnx.split(model)
+    prefill = jax.jit(lambda st, tokens, cache: nnx.merge(graphdef, st).prefill(tokens, cache), donate_argnums=2)
+    decode = jax.jit(lambda st, token, cache: nnx.merge(graphdef, st).decode(token, cache), donate_argnums=2)
+    return InferenceSteps(state, prefill, decode)

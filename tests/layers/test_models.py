@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from lineage_jax.layers import attnres as AR
-from lineage_jax.models import Decoder, ModelConfig, config_names, get_config, layer_groups
+from lineage_jax.models import Decoder, config_names, get_config, inference_steps, layer_groups
 
 TINY = [n for n in config_names() if n.startswith("tiny_")]
 
@@ -34,6 +34,24 @@ def test_decode_after_prefill_equals_full_forward(name):
         lt, cache = decode(model, tokens[:, t], cache)
         assert rel(lt, logits[:, t]) <= 1e-5, (name, t)
     assert np.all(np.asarray(cache.length) == 12)
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_k3"])
+def test_inference_steps_equal_the_module_and_donate_the_cache(name):
+    """The split-once jitted steps (generate, the decode timers) compute what the module does,
+    and donate the cache (its buffers are aliased to the returned cache)."""
+    cfg = get_config(name)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(2), (2, 10), 0, cfg.vocab_size)
+    logits = call(model, tokens)
+    state, pre, dec = inference_steps(model)
+    cache = model.init_cache(2, 12)
+    assert "tf.aliasing_output" in dec.lower(state, tokens[:, 0], cache).as_text()
+    lp, cache = pre(state, tokens[:, :6], cache)
+    assert rel(lp, logits[:, :6]) <= 1e-5
+    for t in range(6, 10):
+        lt, cache = dec(state, tokens[:, t], cache)
+        assert rel(lt, logits[:, t]) <= 1e-5, (name, t)
 
 
 def test_tiny_k3_scans_macrocycles_and_matches_unrolled():
