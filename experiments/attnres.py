@@ -159,13 +159,13 @@ def _macrocycles(group, repeats: int):
 def _probe(model: Decoder, tokens: jax.Array):
     stream = _Recorder(residual_stream(model.cfg))
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    carry = stream.init(model._embed(tokens, positions))
+    carry = stream.init(model.embed_tokens(tokens, positions))
     for (first, period, repeats), group in zip(model.groups_spec, model.groups):
         for r, macro in enumerate(_macrocycles(group, repeats)):
             for j, block in enumerate(macro.blocks):
                 carry, _, _ = block.run(stream, carry, None, first + r * period + j, "train", None)
     out = stream.final(carry, None if model.final_query is None else model.final_query[...])
-    return model._logits(out), jnp.stack(stream.reads), jnp.stack(stream.writes)
+    return model.output_logits(out), jnp.stack(stream.reads), jnp.stack(stream.writes)
 
 
 def residual_rms(model: Decoder, tokens) -> dict:

@@ -266,13 +266,18 @@ class Decoder(nnx.Module):
             want = "[B,T]" if rank == 2 else "[B]"
             raise ValueError(f"Decoder.{fn}: `tokens` must be an integer array {want}, got {tokens.dtype}{tuple(tokens.shape)}")
 
-    def _embed(self, tokens: Array, positions: Array) -> Array:
+    def embed_tokens(self, tokens: Array, positions: Array) -> Array:
+        """``tokens [B, T]`` at ``positions [B, T]`` -> the residual stream's input ``[B, T, d]``
+        (token embedding + learned positions where the config has them; compute dtype)."""
         h = jnp.take(self.embed[...], tokens, axis=0)
         if self.pos is not None:
             h = h + jnp.take(self.pos[...], positions, axis=0)
         return h.astype(self.compute_dtype)
 
-    def _logits(self, h: Array) -> Array:
+    def output_logits(self, h: Array) -> Array:
+        """The last hidden state ``[B, T, d]`` -> logits ``[B, T, vocab]`` float32 (final norm, then
+        the tied embedding or the LM head). With :meth:`embed_tokens`, what a probe that walks the
+        layers itself (``experiments.attnres``) needs to reproduce :meth:`forward`."""
         h = self.final_norm(h)
         w = self.embed[...].T if self.head is None else self.head[...]
         return jnp.einsum("btd,dv->btv", h.astype(jnp.float32), w.astype(jnp.float32))
@@ -318,8 +323,8 @@ class Decoder(nnx.Module):
             raise ValueError(f"Decoder.forward: sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        h, _, stats = self._run(self._embed(tokens, positions), None, "train", segment_ids)
-        return self._logits(h), {"moe": stats}
+        h, _, stats = self._run(self.embed_tokens(tokens, positions), None, "train", segment_ids)
+        return self.output_logits(h), {"moe": stats}
 
     def __call__(self, tokens: Array, *, segment_ids: Optional[Array] = None) -> Array:
         return self.forward(tokens, segment_ids=segment_ids)[0]
@@ -340,14 +345,14 @@ class Decoder(nnx.Module):
         self._check_tokens("prefill", tokens, 2)
         T = tokens.shape[1]
         positions = cache.length[:, None] + jnp.arange(T)[None, :]
-        h, layers, _ = self._run(self._embed(tokens, positions), cache.layers, "prefill", segment_ids)
-        return self._logits(h), DecoderCache(layers, cache.length + T)
+        h, layers, _ = self._run(self.embed_tokens(tokens, positions), cache.layers, "prefill", segment_ids)
+        return self.output_logits(h), DecoderCache(layers, cache.length + T)
 
     def decode(self, token: Array, cache: DecoderCache):
         """One token per row ``[B]`` -> ``(logits [B, vocab], cache)``."""
         self._check_tokens("decode", token, 1)
-        h, layers, _ = self._run(self._embed(token[:, None], cache.length[:, None]), cache.layers, "decode", None)
-        return self._logits(h)[:, 0], DecoderCache(layers, cache.length + 1)
+        h, layers, _ = self._run(self.embed_tokens(token[:, None], cache.length[:, None]), cache.layers, "decode", None)
+        return self.output_logits(h)[:, 0], DecoderCache(layers, cache.length + 1)
 
     def moe_layers(self):
         """``(group_index, macro_position, MoE module)`` for every MoE FFN (stacked for scanned groups)."""
