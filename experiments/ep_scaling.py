@@ -1,6 +1,6 @@
 """Expert-parallel MoE training across devices: data parallel vs expert parallel, one process.
 
-    python -m experiments.ep_scaling [--quick] [--out results] [--gpus 1,2,4,8] [--layouts dp,ep,dp2ep[,fsdp]]
+    python -m experiments.ep_scaling [--quick] [--out results] [--gpus 1,2,4,8] [--layouts dp,ep,dp2ep[,ep_rep,fsdp]]
         [--experts 64] [--top-k 4] [--d-model 2048] [--layers 8] [--seq 1024] [--batch 8] [--steps 30]
         [--dtype auto|float32|bfloat16] [--impl auto|ragged|dense|ragged_reference] [--budget-s 520]
         [--memory-backend xla|pallas]
@@ -27,8 +27,11 @@ run on a GPU). Vocabulary 256
 ``jax.device_count()``) and each layout — ``dp``: mesh ``data=n`` (everything replicated);
 ``ep``: ``expert=n`` (experts split over all devices; tokens and the dense weights' width
 also split over the expert axis, by the library's rules); ``dp2ep``: ``data=2,expert=n/2``
-(n >= 4); opt-in ``fsdp``: ``fsdp=n`` (every weight's model width split, no expert
-parallelism: the dense layers sharded as in ``ep`` without the all-to-all) — train ``--steps`` steps of the library's training step
+(n >= 4); opt-in: ``ep_rep``: ``expert=n`` with the dense weights *replicated* over the
+expert axis (``parallel.without_mesh_axis("expert")``: classic data + expert parallelism;
+``ep`` uses the expert axis as more FSDP for them, the library's default rules) and ``fsdp``:
+``fsdp=n`` (every weight's model width split, no expert parallelism: ``ep``'s dense split
+without the all-to-all) — train ``--steps`` steps of the library's training step
 (``lineage_jax.train.step``: ``make_parallel``, ``init_state`` born sharded, one jitted
 ``jit_steps`` program per step, AdamW + clipping + router-bias updates) on the *same*
 global batches (fixed ``--batch`` × ``--seq`` and seed). ``n = 1`` is the plain one-device
@@ -93,7 +96,7 @@ from lineage_jax.models import ModelConfig, get_config
 
 NAME = "ep_scaling"
 LAYOUTS = ("dp", "ep", "dp2ep")
-EXTRA_LAYOUTS = ("fsdp",)        # accepted by --layouts, not run by default
+EXTRA_LAYOUTS = ("ep_rep", "fsdp")   # accepted by --layouts, not run by default
 IMPLS = ("auto", "ragged", "dense", "ragged_reference")
 DTYPES = ("auto", "float32", "bfloat16")
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -233,6 +236,8 @@ def planned_runs(gpus: Sequence[int], layouts: Sequence[str], b: Budget) -> list
                 sizes = {"data": n}
             elif layout == "ep":
                 sizes = {"expert": n}
+            elif layout == "ep_rep":
+                sizes = {"expert": n}
             elif layout == "fsdp":
                 sizes = {"fsdp": n}
             else:
@@ -293,6 +298,12 @@ def train_run(spec: dict, cfg: ModelConfig, b: Budget, batches: list[dict], impl
     tcfg = TrainConfig(steps=b.steps, batch_size=b.batch, seq_len=b.seq, lr=b.lr, warmup_steps=min(10, b.steps // 3),
                        seed=seed, mesh="" if n == 1 else spec["mesh"], progress=False)
     parallel = None if n == 1 else make_parallel(cfg, spec["mesh"], devices=devices, batch_size=b.batch)
+    if spec["layout"] == "ep_rep":      # dense weights replicated over the expert axis (DP + EP)
+        from lineage_jax.parallel import without_mesh_axis
+
+        rules = without_mesh_axis("expert")
+        parallel = dataclasses.replace(parallel, rules=rules,
+                                       expert_parallel=dataclasses.replace(parallel.expert_parallel, rules=rules))
     if parallel is not None and parallel.expert_parallel is not None and impl != "auto":
         parallel = dataclasses.replace(parallel, expert_parallel=dataclasses.replace(parallel.expert_parallel,
                                                                                      impl=impl))

@@ -11,7 +11,7 @@ from lineage_jax.parallel.mesh import (MESH_AXES, detect_cluster, make_mesh, may
                                        parse_mesh_spec, resolve_axis_sizes)
 from lineage_jax.parallel.rules import (DEFAULT_RULES, current_logical_sharding, local_shape, logical_sharding,
                                         logical_sharding_of, logical_to_spec, mesh_axes_of, rules_dict, sharding_table,
-                                        state_shardings, state_specs, with_logical_constraint)
+                                        state_shardings, state_specs, with_logical_constraint, without_mesh_axis)
 from lineage_jax.parallel.sharded import (ShardedDecoder, TrainState, TrainStep, batch_sharding, init_sharded,
                                           next_token_loss, optimizer_shardings, resolve_expert_parallel,
                                           shard_batch)
@@ -22,5 +22,5 @@ __all__ = [
     "expert_parallel_experts", "init_sharded", "local_shape", "logical_sharding", "logical_sharding_of",
     "logical_to_spec", "make_mesh", "maybe_initialize_distributed", "mesh_axes_of", "mesh_shape", "moe_forward",
     "next_token_loss", "optimizer_shardings", "parse_mesh_spec", "resolve_axis_sizes", "resolve_expert_parallel", "rules_dict",
-    "shard_batch", "sharding_table", "state_shardings", "state_specs", "with_logical_constraint",
+    "shard_batch", "sharding_table", "state_shardings", "state_specs", "with_logical_constraint", "without_mesh_axis",
 ]

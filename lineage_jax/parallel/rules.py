@@ -66,6 +66,30 @@ DEFAULT_RULES: Rules = (
 )
 
 
+WIDTH_NAMES = ("embed", "latent", "q_lora", "kv_lora", "gate_rank")  # the weights' model-width names
+
+
+def without_mesh_axis(axis: str, names: Sequence[str] = WIDTH_NAMES, rules: Optional[Rules] = None) -> Rules:
+    """``rules`` with mesh ``axis`` removed from the logical ``names`` (the rest unchanged).
+
+    The default removes it from the weights' model-width names: ``without_mesh_axis("expert")``
+    keeps experts and tokens split over the expert axis but *replicates* the dense weights over
+    it (classic data + expert parallelism), where :data:`DEFAULT_RULES` uses it as more FSDP.
+    """
+    table = rules_dict(rules)
+    if axis not in MESH_AXES:
+        raise ValueError(f"without_mesh_axis: `axis` must be one of {MESH_AXES}, got {axis!r}")
+    unknown = sorted(set(names) - set(table))
+    if unknown:
+        raise ValueError(f"without_mesh_axis: `names` has logical axes without a rule: {unknown}")
+    out = []
+    for name, axes in table.items():
+        if name in names:
+            axes = tuple(a for a in axes if a != axis)
+        out.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return tuple(out)
+
+
 def rules_dict(rules: Optional[Rules] = None) -> dict[str, tuple[str, ...]]:
     """Validate ``rules`` and return ``{logical name: tuple of mesh axes}``."""
     rules = DEFAULT_RULES if rules is None else rules

@@ -135,3 +135,19 @@ def test_expert_parallel_on_one_device_matches_moe():
         ExpertParallel(mesh, impl="nccl")
     with pytest.raises(ValueError, match="capacity_factor"):
         ExpertParallel(mesh, capacity_factor=0.0)
+
+
+def test_without_mesh_axis_replicates_dense_weights_over_it():
+    from lineage_jax.parallel import DEFAULT_RULES, logical_to_spec, without_mesh_axis
+
+    rules = without_mesh_axis("expert")
+    sizes = {"fsdp": 2, "expert": 4}
+    assert logical_to_spec(("embed", "heads", "head_dim"), sizes, DEFAULT_RULES) == P(("fsdp", "expert"))
+    assert logical_to_spec(("embed", "heads", "head_dim"), sizes, rules) == P("fsdp")
+    assert logical_to_spec(("experts", "embed", "expert_mlp"), sizes, rules) == P("expert", "fsdp")
+    assert logical_to_spec(("batch", "seq", "embed"), sizes, rules) == P(("fsdp", "expert"))   # tokens still split
+    assert dict(rules)["vocab"] == dict(DEFAULT_RULES)["vocab"]
+    with pytest.raises(ValueError, match="`axis`"):
+        without_mesh_axis("experts")
+    with pytest.raises(ValueError, match="without a rule"):
+        without_mesh_axis("expert", names=("embedding",))
