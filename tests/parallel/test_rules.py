@@ -151,3 +151,27 @@ def test_without_mesh_axis_replicates_dense_weights_over_it():
         without_mesh_axis("experts")
     with pytest.raises(ValueError, match="without a rule"):
         without_mesh_axis("expert", names=("embedding",))
+
+
+def test_exchange_default_per_platform_and_the_gpu_ragged_warning():
+    """``impl="auto"`` resolves per platform (ragged only on TPU: its gradient was wrong across
+    GPUs), and an explicit ragged exchange over a GPU expert axis > 1 warns. The mesh is a stand-in
+    with fake devices: only ``axis_names``, ``devices.shape`` and the platform are read."""
+    import types
+    import warnings
+
+    import numpy as np
+
+    def fake_mesh(platform, expert):
+        devs = np.array([types.SimpleNamespace(platform=platform)] * expert, dtype=object).reshape(1, 1, expert, 1)
+        return types.SimpleNamespace(axis_names=("data", "fsdp", "expert", "tensor"), devices=devs)
+
+    assert ExpertParallel(fake_mesh("tpu", 2)).resolved_impl() == "ragged"
+    assert ExpertParallel(fake_mesh("gpu", 2)).resolved_impl() == "dense"
+    assert ExpertParallel(fake_mesh("cpu", 2)).resolved_impl() == "dense"
+    with pytest.warns(RuntimeWarning, match="wrong gradients"):
+        ExpertParallel(fake_mesh("gpu", 2), impl="ragged")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ExpertParallel(fake_mesh("gpu", 1), impl="ragged")     # one device: nothing crosses GPUs
+        ExpertParallel(fake_mesh("tpu", 2), impl="ragged")
