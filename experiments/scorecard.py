@@ -4,6 +4,7 @@
     python -m experiments.scorecard --only gpt2,linear,deltanet,gdn --out part_a     # split a long run
     python -m experiments.scorecard --merge part_a,part_b --out results              # and join the parts
     python -m experiments.scorecard --budget wide         # the first, roomier budget (see WIDE)
+    python -m experiments.scorecard --only gpt2,gpt2_nope  # diagnostic: GPT-2 without positions
 
 For each architecture of the lineage — GPT-2 softmax + KV cache, linear attention,
 DeltaNet, Gated DeltaNet, KDA, MLA, the Kimi Linear 3:1 hybrid and a K3-style hybrid
@@ -71,6 +72,17 @@ ARCHITECTURES = [
 ]
 
 KEYS = dict(zip(["gpt2", "linear", "deltanet", "gdn", "kda", "mla", "kimi_linear", "k3"], [a[0] for a in ARCHITECTURES]))
+
+# Diagnostic rows, run only when named in --only (not part of the card): GPT-2 without its
+# learned positions (NoPE; order from the causal mask alone). GPT-2 is the one softmax row that
+# did not learn the probes in the budget (H200: val accuracy 0.04 at lr 1e-3, 0.50 at 3e-3;
+# fade doc B 0.04), while MLA (RoPE) reached 1.00 — `--only gpt2,gpt2_nope` asks whether the
+# learned absolute positions are what slows it.
+EXTRA_ARCHITECTURES = [
+    ("GPT-2 without positions (NoPE)", "SSSS", dict(positions="none", norm="layernorm", ffn_kind="gelu",
+                                                    attn_bias=True)),
+]
+KEYS.update(gpt2_nope=EXTRA_ARCHITECTURES[0][0])
 
 # The seeds' predictions (000/001), stated before measuring: which architectures fail which probe.
 PREDICTED_FAIL = {
@@ -175,7 +187,8 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
         unknown = sorted(set(only) - set(KEYS))
         if unknown:
             raise ValueError(f"only: unknown architecture(s) {unknown}; valid: {sorted(KEYS)}")
-    archs = [a for a in ARCHITECTURES if only is None or a[0] in {KEYS[k] for k in only}]
+    archs = [a for a in ARCHITECTURES + (EXTRA_ARCHITECTURES if only else [])
+             if only is None or a[0] in {KEYS[k] for k in only}]
     if steps is not None:
         b = dataclasses.replace(b, steps=steps, max_train_rows=min(b.max_train_rows, max(steps * b.batch, b.batch)))
     record = C.provenance(NAME, quick)
