@@ -45,7 +45,7 @@ def test_scorecard_structure(tmp_path):
     S.run(quick=True, out=str(tmp_path / "b"), steps=3, only=["gpt2_nope", "linear"])
     merged = S.run(out=str(tmp_path / "m"), merge=[str(tmp_path), str(tmp_path / "b" / "scorecard" / "scorecard.json")])
     assert [r["architecture"] for r in merged["rows"]] == [S.KEYS["gpt2"], S.KEYS["linear"], S.KEYS["kda"],
-                                                          S.KEYS["gpt2_nope"]]
+                                                          S.EXTRA_KEYS["gpt2_nope"]]
     assert merged["complete"] is False and len(merged["merged_from"]) == 2
     assert set(merged["prediction_check"]["mqar"]) == {S.KEYS["linear"]}  # re-checked over the joined rows
     assert (tmp_path / "m" / "scorecard" / "scorecard.png").is_file()
