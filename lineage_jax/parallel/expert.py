@@ -49,8 +49,9 @@ Three exchange implementations (``impl``), identical in result:
 in one process, jax 0.11.2, CUDA 13): forward outputs equal the dense exchange's (rel 4e-8) but
 the gradient with respect to the tokens is unrelated to it (rel 0.80 for the exchange alone,
 1.03 through an ``MoE``; ``tests/parallel/test_accelerator.py``), identically with the
-ragged-all-to-all decomposer on; with XLA's one-shot kernel off XLA refuses to run it (NCCL
-fallback disabled). The same program with ``"ragged_reference"`` (identical offsets through a
+ragged-all-to-all decomposer on; with XLA's one-shot kernel off XLA refuses to run it unless
+the NCCL send/recv fallback is allowed, and with it allowed the exchange test failed too
+(values not recorded: ``docs/parallelism.md``). The same program with ``"ragged_reference"`` (identical offsets through a
 dense ``all_to_all``) is right on the CPU, so the offsets are not the cause; not diagnosed
 further. A full-size ``ragged`` training run on 2 H200s also hung (a collective rendezvous
 timed out) where ``"dense"`` ran. Hence ``"auto"`` is ``"dense"`` on GPUs, and an explicit
