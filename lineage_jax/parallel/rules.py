@@ -77,6 +77,9 @@ def without_mesh_axis(axis: str, names: Sequence[str] = WIDTH_NAMES, rules: Opti
     it (classic data + expert parallelism), where :data:`DEFAULT_RULES` uses it as more FSDP.
     """
     table = rules_dict(rules)
+    if isinstance(names, str):
+        raise ValueError(f"without_mesh_axis: `names` must be a sequence of logical axis names, got the string "
+                         f"{names!r} (write ({names!r},))")
     if axis not in MESH_AXES:
         raise ValueError(f"without_mesh_axis: `axis` must be one of {MESH_AXES}, got {axis!r}")
     unknown = sorted(set(names) - set(table))

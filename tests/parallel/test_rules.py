@@ -151,6 +151,8 @@ def test_without_mesh_axis_replicates_dense_weights_over_it():
         without_mesh_axis("experts")
     with pytest.raises(ValueError, match="without a rule"):
         without_mesh_axis("expert", names=("embedding",))
+    with pytest.raises(ValueError, match="`names` must be a sequence"):
+        without_mesh_axis("expert", names="embed")
 
 
 def test_exchange_default_per_platform_and_the_gpu_ragged_warning():
