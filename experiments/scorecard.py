@@ -183,13 +183,13 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     if budget not in BUDGETS:
         raise ValueError(f"budget: unknown budget {budget!r}; valid: {sorted(BUDGETS)}")
     b = QUICK if quick else BUDGETS[budget]
+    named = {**KEYS, **EXTRA_KEYS}
     if only is not None:
-        named = {**KEYS, **EXTRA_KEYS}
         unknown = sorted(set(only) - set(named))
         if unknown:
             raise ValueError(f"only: unknown architecture(s) {unknown}; valid: {sorted(named)}")
-    archs = [a for a in ARCHITECTURES + (EXTRA_ARCHITECTURES if only else [])
-             if only is None or a[0] in {({**KEYS, **EXTRA_KEYS})[k] for k in only}]
+    wanted = None if only is None else {named[k] for k in only}
+    archs = [a for a in ARCHITECTURES + (EXTRA_ARCHITECTURES if only else []) if wanted is None or a[0] in wanted]
     if steps is not None:
         b = dataclasses.replace(b, steps=steps, max_train_rows=min(b.max_train_rows, max(steps * b.batch, b.batch)))
     record = C.provenance(NAME, quick)

@@ -369,7 +369,6 @@ class Decoder(nnx.Module):
             moe.update_bias(aux["moe"][g][j], rule=rule, rate=rate)
 
 
-
 class InferenceSteps(NamedTuple):
     """A :class:`Decoder` split once into its state and two jitted steps over it.
 
