@@ -44,7 +44,7 @@ no slower, while ``--xla_gpu_autotune_level=0`` made steps ~2.5× slower): a ste
 copies takes 15-40 ms at d = 128 (GPT-2 15, DeltaNet 22, K3-style 24, KDA 40 ms), a run
 compiles in 20-40 s (hidden behind training); the 96-run grid takes ~25-35 minutes. Split it
 by ``--lengths`` into calls of ~7 minutes and join them with ``--merge``; the record is also
-written after every length (``complete: false`` until the last), so a call stopped by a time
+written after every run (``complete: false`` until the last), so a call stopped by a time
 limit keeps what it finished. What 600 steps buys (measured): DeltaNet solves (64, 4) within
 300 steps and (256, 16) within ~750; KDA reaches 51% on (64, 4) at 300 steps; GPT-2 with
 learned positions learns slowest (26% on (64, 4) after 1500 steps). So read the plot as
@@ -221,7 +221,7 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mqar-data") as data_pool:
         host = {(L, N): data_pool.submit(datasets, b, L, N, seed) for L, N in b.lengths}  # generated ahead, in order
         compiled = T.compiled_ahead(jobs, compile_workers)
-        for i, ((L, N, d, (key, label, pattern, _)), (sweep, compile_s)) in enumerate(zip(plan, compiled)):
+        for (L, N, d, (key, label, pattern, _)), (sweep, compile_s) in zip(plan, compiled):
             if (L, N) not in on_device:
                 on_device = {(L, N): jax.device_put(host.pop((L, N)).result())}  # one length at a time
             train, test = on_device[(L, N)]
@@ -237,10 +237,9 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
                 "best_lr": b.lrs[best], "best_accuracy": acc[best], "loss_curve": losses[:, best],
                 "train_s": train_s, "compile_s": compile_s,
             })
-            if i + 1 == len(plan) or plan[i + 1][:2] != (L, N):  # a length done: save (a stopped run keeps it)
-                done = dict(record, runs=results, wall_s=time.perf_counter() - t_start,
-                            complete=len(results) == len(plan))
-                saved = C.finish(done, NAME, out, plot(results, b))
+            # Saved after every run (a call stopped by a time limit keeps what it finished).
+            done = dict(record, runs=results, wall_s=time.perf_counter() - t_start, complete=len(results) == len(plan))
+            saved = C.finish(done, NAME, out, plot(results, b))
     bar.close()
     return saved
 
