@@ -37,9 +37,13 @@ each scored at its best lr by final validation loss.
 **Budgets**: ``--quick`` (2 CPU cores, ≲3 min): 16 layers, d 32, blocks of 2, 120 steps of
 8 × 64 bytes, one lr, baseline extension to 2× — a smoke run. Full: 32 layers, d 128
 (4 heads × 32), blocks of 4 (8 blocks), 800 steps of 32 × 256 bytes, lrs 1e-3 and 3e-3,
-baseline extended to 1.5× and 2× (4.5 plain + 1 AttnRes runs): about 5 minutes on one H200
-(16.4 steps/s measured 2026-11-29). Each finished run is saved to ``attnres.partial.json`` at
-once, so a run cut short keeps what it trained.
+baseline extended to 1.25× and 1.5× (bracketing the reported 1.25×; the first H200 run put the
+crossing at 1.17×, so 2× was never reached): 3800 steps, about 5 minutes on one H200 (measured
+2026-11-29, one process alone on the GPU: plain 800 steps in 50 s, AttnRes in 90 s — its
+depth softmax makes a step 1.8× dearer at this width — plain ×1.5 in 73 s, compile ≈ 20 s
+each, overlapped). Each finished run is saved to ``attnres.partial.json`` at
+once, with the depth profiles of the two compared models (probed as soon as each is trained,
+before the baseline extensions), so a run cut short keeps what it trained.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ class Budget:
 QUICK = Budget(d_model=32, head_dim=16, layers=16, block=2, seq_len=64, batch=8, steps=120, lrs=(3e-3,), val_rows=32,
                evals=6, baseline_budgets=(2.0,), probe_rows=8)
 FULL = Budget(d_model=128, head_dim=32, layers=32, block=4, seq_len=256, batch=32, steps=800, lrs=(1e-3, 3e-3),
-              val_rows=256, evals=16, baseline_budgets=(1.5, 2.0), probe_rows=32)
+              val_rows=256, evals=16, baseline_budgets=(1.25, 1.5), probe_rows=32)
 
 
 def make_budget(quick: bool, layers=None, block=None, steps=None, lrs=None, baseline_budgets=None) -> Budget:
@@ -224,15 +228,20 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, layers: Option
     t_start = time.perf_counter()
     sweeps = [(name, LM.LMSweep(cfg, lrs=b.lrs, steps=s, batch=b.batch, seed=seed, log_every=b.steps // b.evals))
               for name, cfg, s in plan]
-    partial = dict(C.provenance(NAME, quick), budget=dataclasses.asdict(b))
-    results = LM.run_sweeps(sweeps, train, val, "attnres", compile_workers,
-                            on_result=lambda done: C.save_partial(dict(partial, finished=done), NAME, out))
     probe_tokens = val["tokens"][: b.probe_rows]
-    models = {}
-    for name, cfg in configs.items():
-        profile = residual_rms(dict(sweeps)[name].model(results[name]["best_copy"]), probe_tokens)
-        profile.pop("logits")
-        models[name] = dict(results[name], label=cfg.name, params=accounting.param_counts(cfg)["total"], **profile)
+    profiles = {}  # depth profiles, probed as soon as each compared model is trained
+
+    def on_result(done: dict) -> None:
+        for name in configs:
+            if name in done and name not in profiles:
+                profiles[name] = residual_rms(dict(sweeps)[name].model(done[name]["best_copy"]), probe_tokens)
+                profiles[name].pop("logits")
+        C.save_partial(dict(partial, finished=done, profiles=profiles), NAME, out)
+
+    partial = dict(C.provenance(NAME, quick), budget=dataclasses.asdict(b))
+    results = LM.run_sweeps(sweeps, train, val, "attnres", compile_workers, on_result=on_result)
+    models = {name: dict(results[name], label=cfg.name, params=accounting.param_counts(cfg)["total"], **profiles[name])
+              for name, cfg in configs.items()}
     extensions = {m: results[f"plain x{m:g}"] for m in b.baseline_budgets}
 
     record = C.provenance(NAME, quick)
@@ -326,7 +335,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=C.positive_int, default=None, help="training steps of the compared runs")
     parser.add_argument("--lrs", type=_floats, default=None, help="comma-separated peak learning rates")
     parser.add_argument("--baseline-budgets", type=_floats, default=None,
-                        help="extra plain runs as multiples of --steps (> 1), e.g. 1.5,2")
+                        help="extra plain runs as multiples of --steps (> 1), e.g. 1.25,1.5")
     parser.add_argument("--compile-workers", type=C.positive_int, default=None,
                         help="threads compiling upcoming runs (default: cores - 1, at most 8)")
     return C.main_for(NAME, parser, run, table, argv)

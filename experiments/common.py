@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -62,6 +63,19 @@ def git_commit(repo: Path | str = REPO_ROOT) -> Optional[str]:
         return None  # a branch with no commits yet
     except OSError:
         return None
+
+
+def git_dirty(repo: Path | str = REPO_ROOT) -> Optional[bool]:
+    """Whether tracked files differ from :func:`git_commit` (``git status``); None if git can't tell.
+
+    A record with ``git_dirty: true`` ran uncommitted code on top of its commit — e.g. on the lent
+    device, whose copy of the working tree carries the git metadata of the last landed commit."""
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
 
 
 def _common_dir(git_dir: Path) -> Path:
@@ -122,6 +136,7 @@ def provenance(name: str, quick: bool) -> dict:
         "quick": bool(quick),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
         "jax_version": jax.__version__,
         "python_version": platform.python_version(),
         "device": device_info(),

@@ -41,7 +41,7 @@ def _assert_files(record: dict):
     assert js.is_file() and png.is_file()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     on_disk = json.loads(js.read_text())
-    for key in ("date", "git_commit", "jax_version", "device"):
+    for key in ("date", "git_commit", "git_dirty", "jax_version", "device"):
         assert key in on_disk
     assert on_disk["jax_version"] and on_disk["device"]["platform"]
     assert on_disk["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}", on_disk["git_commit"])
@@ -256,3 +256,21 @@ def test_common_helpers(tmp_path):
     commit = common.git_commit(REPO)
     assert commit is None or re.fullmatch(r"[0-9a-f]{40}", commit)
     assert common.git_commit(tmp_path) is None
+    assert common.git_dirty(REPO) in (True, False, None) and common.git_dirty(tmp_path) is None
+
+
+def test_git_dirty_sees_uncommitted_changes(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a\n")
+    git("add", "f.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    assert common.git_dirty(tmp_path) is False
+    assert re.fullmatch(r"[0-9a-f]{40}", common.git_commit(tmp_path))
+    (tmp_path / "f.txt").write_text("b\n")
+    assert common.git_dirty(tmp_path) is True

@@ -168,6 +168,10 @@ def test_attnres_end_to_end(tmp_path):
     partial = json.loads((tmp_path / "attnres" / "attnres.partial.json").read_text())  # saved after each run
     assert partial["complete"] is False and set(partial["finished"]) == {"attnres", "plain", "plain x1.5"}
     assert partial["finished"]["plain"]["val_loss"] == rec["models"]["plain"]["val_loss"]
+    # The depth profiles are in the partial record too (probed before the baseline extensions train).
+    assert set(partial["profiles"]) == {"plain", "attnres"}
+    for name, m in rec["models"].items():
+        np.testing.assert_allclose(partial["profiles"][name]["hidden"], m["hidden"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs, arg", [
