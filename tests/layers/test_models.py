@@ -149,6 +149,63 @@ def test_attnres_zero_queries_read_the_mean_of_sources():
     assert float(jnp.sum(AR.read(st, q) * outs[0])) > float(jnp.sum(got * outs[0]))
 
 
+def _attnres_naive(sources, query):
+    """softmax_s(query · RMSNorm(src_s)) · src_s over an explicit list of sources (the definition)."""
+    srcs = jnp.stack(sources)
+    normed = srcs * jax.lax.rsqrt(jnp.mean(srcs * srcs, axis=-1, keepdims=True) + 1e-6)
+    w = jax.nn.softmax(jnp.einsum("d,nbtd->nbt", query, normed), axis=0)
+    return jnp.einsum("nbt,nbtd->btd", w, srcs)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_attnres_stream_matches_the_definition_forward_and_gradients(seed):
+    """init / write / seal / read (cached 1/RMS, one-slot seal) against the naive softmax over an
+    explicit source list, on fresh random inputs — reads after every write, with empty slots left
+    over and seals that must not fire (``when`` false, nothing written yet)."""
+    r = np.random.default_rng(seed)
+    B, T, D, n_out, block = 2, 5, 16, 7, 3
+    emb = jnp.asarray(r.normal(size=(B, T, D)), jnp.float32)
+    outs = jnp.asarray(r.normal(size=(n_out, B, T, D)) * r.uniform(0.2, 3.0, size=(n_out, 1, 1, 1)), jnp.float32)
+    queries = jnp.asarray(r.normal(size=(n_out + 1, D)), jnp.float32)
+
+    def fast(emb, outs, queries):
+        st = AR.seal(AR.init(emb, 1 + -(-n_out // block) + 1), True)  # nothing written: no-op
+        reads = [AR.read(st, queries[0])]
+        for i in range(n_out):
+            st = AR.seal(AR.write(st, outs[i]), (i + 1) % block == 0)
+            reads.append(AR.read(st, queries[i + 1]))
+        return jnp.stack(reads)
+
+    def naive(emb, outs, queries):
+        sealed, partial, reads = [emb], [], [_attnres_naive([emb], queries[0])]
+        for i in range(n_out):
+            partial.append(outs[i])
+            if (i + 1) % block == 0:
+                sealed, partial = sealed + [sum(partial)], []
+            reads.append(_attnres_naive(sealed + ([sum(partial)] if partial else []), queries[i + 1]))
+        return jnp.stack(reads)
+
+    np.testing.assert_allclose(fast(emb, outs, queries), naive(emb, outs, queries), rtol=2e-5, atol=2e-5)
+    cot = jnp.asarray(r.normal(size=(n_out + 1, B, T, D)), jnp.float32)
+    g_fast = jax.grad(lambda *a: jnp.sum(fast(*a) * cot), argnums=(0, 1, 2))(emb, outs, queries)
+    g_naive = jax.grad(lambda *a: jnp.sum(naive(*a) * cot), argnums=(0, 1, 2))(emb, outs, queries)
+    for name, a, b in zip(("embedding", "outputs", "queries"), g_fast, g_naive):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=name)
+
+
+def test_attnres_seal_when_false_changes_nothing():
+    r = np.random.default_rng(3)
+    st = AR.write(AR.init(jnp.asarray(r.normal(size=(1, 2, 4)), jnp.float32), 3),
+                  jnp.asarray(r.normal(size=(1, 2, 4)), jnp.float32))
+    same = AR.seal(st, False)
+    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(same)):
+        np.testing.assert_array_equal(a, b)
+    sealed = AR.seal(st, True)
+    assert int(sealed.count) == 2 and not bool(sealed.has_partial)
+    np.testing.assert_array_equal(sealed.sources[1], st.partial)
+    np.testing.assert_allclose(sealed.inv_rms[1], 1 / jnp.sqrt(jnp.mean(st.partial ** 2, -1) + 1e-6), rtol=1e-6)
+
+
 def test_attnres_first_read_is_the_embedding():
     emb = jnp.ones((1, 2, 4)) * 3.0
     np.testing.assert_allclose(AR.read(AR.init(emb, 3), jnp.ones(4)), emb)
