@@ -309,17 +309,20 @@ def table(record: dict) -> str:
     b, models = record["budget"], record["models"]
     L = b["layers"]
     rows = []
+    step_ms = lambda r, steps: f"{1e3 * r['train_s'] / steps:.1f}"  # noqa: E731  (all lrs together)
     for m in models.values():
         h = m["hidden"]
         rows.append([m["label"], f"{m['params']:,}", f"{m['best_lr']:.0e}", f"{m['val_loss']:.4f}",
-                     f"{h[0]:.3g}", f"{h[L // 2]:.3g}", f"{h[L - 1]:.3g}", f"{h[L]:.3g}", f"{max(h) / min(h):.3g}"])
+                     step_ms(m, b["steps"]), f"{h[0]:.3g}", f"{h[L // 2]:.3g}", f"{h[L - 1]:.3g}", f"{h[L]:.3g}",
+                     f"{max(h) / min(h):.3g}"])
     for m, r in record["baseline_extensions"].items():
-        rows.append([f"plain residual, {m}× steps", "", f"{r['best_lr']:.0e}", f"{r['val_loss']:.4f}", *[""] * 5])
+        rows.append([f"plain residual, {m}× steps", "", f"{r['best_lr']:.0e}", f"{r['val_loss']:.4f}",
+                     step_ms(r, round(float(m) * b["steps"])), *[""] * 5])
     title = (f"AttnRes ({'quick' if record['quick'] else 'full'}: {L} layers, d {b['d_model']}, "
              f"blocks of {b['block']}, "
              f"{b['steps']} steps × {b['batch']} × {b['seq_len']} bytes, lrs {b['lrs']}; "
              f"{record['device']['description']}; wall {record['wall_s']:.0f} s)")
-    headers = ["model", "params", "best lr", "val loss", "RMS in L0", f"L{L // 2}", f"L{L - 1}", "final", "max/min"]
+    headers = ["model", "params", "best lr", "val loss", "train ms/step", "RMS in L0", f"L{L // 2}", f"L{L - 1}", "final", "max/min"]
     return "\n".join([C.format_table(headers, rows, title), "", _advantage_text(record["advantage"])])
 
 
