@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Run experiment jobs one after another on a lent GPU and bring every result back as ONE archive.
+#
+#   bash launch/device_jobs.sh SECONDS 'python -m experiments.attnres' [SECONDS 'command' ...]
+#
+# Written for the lent H200 of this workplace (the `run` tool: the repo is copied there, `.whl` is
+# carried, `$OUT` comes back — at most 8 files), and for any single-GPU machine:
+#
+# * installs the carried wheels (`.whl/*.whl`, e.g. grain, fla-core) into /tmp/site and stops at
+#   once if that fails or `grain` does not import (a job without its dependencies wastes the call);
+# * runs each command ALONE on the GPU (sequentially: the 2026-11-29 call that ran three experiments
+#   side by side found the GPU 93% busy and each ran at about half speed, so all three were cut)
+#   under `timeout SECONDS`, with `--out $RESULTS` appended, its log in `$RESULTS/logs/`;
+# * archives `$RESULTS` (default /tmp/device_results) as `$OUT/results.tgz` after every job, so a
+#   call stopped by its own limit still returns what finished (partial JSONs included), and prints
+#   each job's exit status, wall time and last lines.
+#
+# SKIP_WHEELS=1 skips the install (a machine that has the packages, e.g. a test run on the CPU).
+# Environment set for every job: PYTHONPATH (wheels + repo), PYTHONUNBUFFERED=1,
+# XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (see docs/results.md: compile time). Give a job its
+# own variables inline: 600 'XLA_PYTHON_CLIENT_MEM_FRACTION=.95 python -m experiments.decode_scaling'.
+# Keep the sum of SECONDS (+ ~30 s of start-up) inside the call's limit.
+set -u
+if [ $# -lt 2 ] || [ $(($# % 2)) -ne 0 ]; then
+    echo "usage: bash launch/device_jobs.sh SECONDS 'command' [SECONDS 'command' ...]" >&2
+    exit 2
+fi
+OUT=${OUT:-/tmp/device_out}
+RESULTS=${RESULTS:-/tmp/device_results}
+mkdir -p "$OUT" "$RESULTS/logs"
+
+if [ -z "${SKIP_WHEELS:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "device_jobs: wheel install failed" >&2; exit 3; }
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}
+python3 -c "import grain, jax; print('device_jobs: jax', jax.__version__, jax.devices())" \
+    || { echo "device_jobs: grain/jax do not import (was .whl carried?)" >&2; exit 3; }
+git rev-parse HEAD > "$RESULTS/git_head.txt" 2>/dev/null
+git status --porcelain --untracked-files=no > "$RESULTS/git_status.txt" 2>/dev/null
+
+summary="$RESULTS/summary.txt"
+: > "$summary"
+i=0
+while [ $# -gt 0 ]; do
+    secs=$1 cmd=$2
+    shift 2
+    i=$((i + 1))
+    log="$RESULTS/logs/job$i.log"
+    echo "== job $i (limit ${secs}s): $cmd --out $RESULTS" | tee -a "$summary"
+    t0=$(date +%s)
+    timeout "$secs" bash -c "$cmd --out $RESULTS" > "$log" 2>&1
+    rc=$?
+    echo "   rc=$rc wall=$(( $(date +%s) - t0 ))s$([ $rc -eq 124 ] && echo ' (cut by its limit)')" | tee -a "$summary"
+    tar czf "$OUT/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
+done
+for f in "$RESULTS"/logs/job*.log; do
+    echo "---- $f (last lines)"
+    tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 25
+done
+echo "==== summary"
+cat "$summary"
