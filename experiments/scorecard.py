@@ -4,6 +4,7 @@
     python -m experiments.scorecard --only gpt2,linear,deltanet,gdn --out part_a     # split a long run
     python -m experiments.scorecard --merge part_a,part_b --out results              # and join the parts
     python -m experiments.scorecard --budget wide         # the first, roomier budget (see WIDE)
+    python -m experiments.scorecard --budget evict        # 4x the facts: past a layer's key capacity (see EVICT)
     python -m experiments.scorecard --only gpt2,gpt2_nope  # diagnostic: GPT-2 without positions
 
 For each architecture of the lineage — GPT-2 softmax + KV cache, linear attention,
@@ -131,7 +132,20 @@ WIDE = Budget(d_model=256, head_dim=64, seq_len=256, batch=64, steps=3000, lrs=(
 PRESSURE = Budget(d_model=128, head_dim=32, seq_len=256, batch=64, steps=3000, lrs=(1e-3, 3e-3), vocab=512,
                   num_facts=32, eval_sequences=512, max_train_rows=60_000, decode_context=4096, decode_tokens=64,
                   fade_facts_a=32, mixed_facts=16, mixed_max_lag=16)
-BUDGETS = {"pressure": PRESSURE, "wide": WIDE}
+# Forcing eviction (``--budget evict``; designed 2026-11-29, not yet run): the same model as
+# PRESSURE, 4× the facts. 128 live facts = 4× a head's key dim and all 128 key dims of a layer's
+# 4 heads: no single head, nor a layer whose heads split the facts with any slack, holds every
+# fact exactly, so the memory must choose what to evict (the 4-layer model's 512 key dims could
+# still hold them only by spreading facts over layers as well) — where the seeds' finer predictions (DeltaNet fades badly without a gate, GDN's scalar gate
+# cannot keep long-lived facts under junk while KDA's per-channel gate can) should show, if
+# anywhere; softmax/MLA caches grow instead. seq_len 1024 = 4 × (128 + 128) fills fade exactly
+# once; batch 16 keeps PRESSURE's 16K tokens per step; vocab 1024 gives the 256 distinct keys
+# fade needs. Estimated ≈ 1.2–2× PRESSURE's H200 time (same tokens; softmax rows attend 4×
+# further): two device calls of ~4 rows.
+EVICT = Budget(d_model=128, head_dim=32, seq_len=1024, batch=16, steps=3000, lrs=(1e-3, 3e-3), vocab=1024,
+               num_facts=128, eval_sequences=512, max_train_rows=30_000, decode_context=4096, decode_tokens=64,
+               fade_facts_a=128, mixed_facts=64, mixed_max_lag=16)
+BUDGETS = {"pressure": PRESSURE, "wide": WIDE, "evict": EVICT}
 MARGIN = 0.05  # a predicted failure must score this far below the probe's median (see the module doc)
 
 
@@ -347,8 +361,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--only", type=lambda t: t.split(","), default=None,
                         help=f"comma-separated subset of: {','.join(KEYS)}")
     parser.add_argument("--budget", default="pressure", choices=sorted(BUDGETS),
-                        help="full-size budget (ignored with --quick): pressure (the default: probes at capacity) "
-                             "or wide (d 256, no capacity pressure)")
+                        help="full-size budget (ignored with --quick): pressure (the default: probes at capacity), "
+                             "wide (d 256, no capacity pressure) or evict (4x the facts of pressure: past capacity)")
     parser.add_argument("--merge", type=lambda t: t.split(","), default=None,
                         help="join earlier calls' records (their --out roots or scorecard.json paths) instead of training")
     return C.main_for(NAME, parser, run, table, argv)

@@ -84,3 +84,16 @@ def test_pressure_budget_fills_fade_exactly_once():
     assert (kinds == 2).sum() == b.num_facts and (kinds == 1).sum() == b.fade_facts_a
     with pytest.raises(ValueError, match="budget"):
         S.run(out="unused", budget="huge")
+
+
+def test_evict_budget_overloads_every_head_and_fills_fade_once():
+    """``--budget evict``: PRESSURE's model with more live facts than a layer has key dims."""
+    b = S.EVICT
+    assert (b.d_model, b.head_dim) == (S.PRESSURE.d_model, S.PRESSURE.head_dim)
+    assert b.batch * b.seq_len == S.PRESSURE.batch * S.PRESSURE.seq_len  # same tokens per step
+    probes = S.make_probes(b, 0)
+    kinds = {name: task.info(0)["kinds"] for name, task in probes.items()}
+    assert (kinds["mqar"] == 1).sum() == b.num_facts >= b.d_model  # every key dim of a layer's heads, 4x a head's
+    assert (kinds["fade"] == 1).sum() == b.fade_facts_a and (kinds["fade"] == 2).sum() == b.num_facts
+    assert 4 * (b.fade_facts_a + b.num_facts) == b.seq_len  # doc B written and queried once
+    assert (kinds["mixed_half_lives"] == 1).sum() == b.mixed_facts
