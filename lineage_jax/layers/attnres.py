@@ -76,7 +76,8 @@ def seal(state: AttnResState, when: Array | bool = True) -> AttnResState:
 
     Only the slot at ``count`` is written (a select of one ``[B, T, D]`` slice, not of the buffer)."""
     do = jnp.logical_and(jnp.asarray(when), state.has_partial)
-    i = jnp.minimum(state.count, state.sources.shape[0] - 1)  # when every slot is full, do is False
+    # The decoder seals at most max_sources - 1 blocks; past that the last slot would be overwritten.
+    i = jnp.minimum(state.count, state.sources.shape[0] - 1)
     slot = jnp.where(do, state.partial, jax.lax.dynamic_index_in_dim(state.sources, i, keepdims=False))
     scale = jnp.where(do, _inv_rms(state.partial), jax.lax.dynamic_index_in_dim(state.inv_rms, i, keepdims=False))
     return AttnResState(
