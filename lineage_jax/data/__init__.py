@@ -8,10 +8,12 @@
 
     task = get_task("mqar", vocab_size=8192, seq_len=256, num_kv_pairs=16)
     it = make_batches(task, seq_len=256, batch_size=64, seed=0)
+
+The grain pipeline (``make_batches``, ``make_dataset``, ``BatchIterator``) is imported on first
+use: tokenizers, corpora, packing and the synthetic tasks work without grain installed.
 """
 
 from lineage_jax.data.packing import FIELDS, PackedSource, pack_documents
-from lineage_jax.data.pipeline import BatchIterator, make_batches, make_dataset
 from lineage_jax.data.synthetic import (
     MQAR,
     TASKS,
@@ -62,3 +64,13 @@ __all__ = [
     "GPT2Tokenizer",
     "get_tokenizer",
 ]
+
+_PIPELINE = ("BatchIterator", "make_batches", "make_dataset")
+
+
+def __getattr__(name: str):
+    if name in _PIPELINE:  # imports grain
+        from lineage_jax.data import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
