@@ -109,16 +109,17 @@ def architectures(keys: Optional[Sequence[str]], layers: int, arg: str = "archs"
     and fills the rest with the first (``KKKM`` -> ``KM``: 1:1 is all two layers allow).
     """
     keys = KEYS if keys is None else tuple(keys)
-    unknown = [k for k in keys if k not in S.KEYS]
+    named = {**S.KEYS, **S.EXTRA_KEYS}  # the card's rows, and the diagnostic rows when asked for
+    unknown = [k for k in keys if k not in named]
     if unknown or not keys:
-        raise ValueError(f"{arg}: unknown architecture(s) {unknown or keys!r}; valid: {','.join(KEYS)}")
-    table = {label: (pattern, extra) for label, pattern, extra in S.ARCHITECTURES}
+        raise ValueError(f"{arg}: unknown architecture(s) {unknown or keys!r}; valid: {','.join(named)}")
+    table = {label: (pattern, extra) for label, pattern, extra in S.ARCHITECTURES + S.EXTRA_ARCHITECTURES}
     out = []
     for key in keys:
-        pattern, extra = table[S.KEYS[key]]
+        pattern, extra = table[named[key]]
         pattern = pattern[0] * (layers - 1) + pattern[-1]
         extra = dict(extra, attnres_block=min(extra["attnres_block"], layers)) if "attnres_block" in extra else extra
-        out.append((key, S.KEYS[key], pattern, extra))
+        out.append((key, named[key], pattern, extra))
     return out
 
 

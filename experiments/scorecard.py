@@ -79,11 +79,15 @@ KEYS = dict(zip(["gpt2", "linear", "deltanet", "gdn", "kda", "mla", "kimi_linear
 # did not learn the probes in the budget (H200: val accuracy 0.04 at lr 1e-3, 0.50 at 3e-3;
 # fade doc B 0.04), while MLA (RoPE) reached 1.00 — `--only gpt2,gpt2_nope` asks whether the
 # learned absolute positions are what slows it.
+# Gated DeltaNet without its output gate: GDN's full SiLU output gate (fla's GatedDeltaNet) is
+# what kept it from learning MQAR at d 64 (H200: 0.003; CPU 300 steps: 0.000, and 0.85 with the
+# gate off — docs/results.md), so `--only gdn,gdn_nogate` (or mqar `--archs`) measures the gate.
 EXTRA_ARCHITECTURES = [
     ("GPT-2 without positions (NoPE)", "SSSS", dict(positions="none", norm="layernorm", ffn_kind="gelu",
                                                     attn_bias=True)),
+    ("Gated DeltaNet, no output gate", "GGGG", dict(gdn_output_gate="none")),
 ]
-EXTRA_KEYS = {"gpt2_nope": EXTRA_ARCHITECTURES[0][0]}   # KEYS stays the card (lm and mqar use it)
+EXTRA_KEYS = dict(zip(["gpt2_nope", "gdn_nogate"], [a[0] for a in EXTRA_ARCHITECTURES]))  # KEYS stays the card
 
 # The seeds' predictions (000/001), stated before measuring: which architectures fail which probe.
 PREDICTED_FAIL = {

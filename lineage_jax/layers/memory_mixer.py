@@ -39,6 +39,7 @@ Array = jax.Array
 RULES = ("linear", "deltanet", "gdn", "kda")
 KDA_GATES = ("softplus", "bounded")
 OUTPUT_GATES = ("none", "lowrank", "full")
+GATE_ACTIVATIONS = ("silu", "sigmoid")
 
 
 class MemoryCache(NamedTuple):
@@ -105,13 +106,15 @@ class MemoryMixer(nnx.Module):
         channel: the memory would forget everything within a few tokens.)
       gate_rank: rank of KDA's decay projection ``f_a: D→rank, f_b: rank→H·K`` (default head_dim).
       output_norm: RMSNorm each head's read. output_gate: "none" | "lowrank" | "full".
+      gate_activation: the output gate's nonlinearity, "silu" | "sigmoid" (default: SiLU for
+        GDN, as in fla's GatedDeltaNet, sigmoid otherwise).
       chunk_size: chunk of the WY/UT training form.
     """
 
     def __init__(self, d_model: int, *, rule: str, num_heads: int, head_dim: int, v_head_dim: Optional[int] = None,
                  conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
-                 output_norm: Optional[bool] = None, output_gate: Optional[str] = None, chunk_size: int = 64,
-                 backend: str = "xla", rngs: nnx.Rngs):
+                 output_norm: Optional[bool] = None, output_gate: Optional[str] = None,
+                 gate_activation: Optional[str] = None, chunk_size: int = 64, backend: str = "xla", rngs: nnx.Rngs):
         if rule not in RULES:
             raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
@@ -128,6 +131,10 @@ class MemoryMixer(nnx.Module):
         output_gate = defaults[rule][1] if output_gate is None else output_gate
         if output_gate not in OUTPUT_GATES:
             raise ValueError(f"MemoryMixer: `output_gate` must be one of {OUTPUT_GATES}, got {output_gate!r}")
+        gate_activation = ("silu" if rule == "gdn" else "sigmoid") if gate_activation is None else gate_activation
+        if gate_activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"MemoryMixer: `gate_activation` must be one of {GATE_ACTIVATIONS}, "
+                             f"got {gate_activation!r}")
         H, K = num_heads, head_dim
         Vd = head_dim if v_head_dim is None else v_head_dim
         rank = head_dim if gate_rank is None else gate_rank
@@ -135,7 +142,7 @@ class MemoryMixer(nnx.Module):
             raise ValueError(f"MemoryMixer: `gate_rank` must be positive, got {rank}")
         self.rule, self.d_model, self.num_heads, self.head_dim, self.v_head_dim = rule, d_model, H, K, Vd
         self.conv_size, self.kda_gate, self.gate_bound, self.chunk_size = conv_size, kda_gate, gate_bound, chunk_size
-        self.output_gate, self.backend = output_gate, backend
+        self.output_gate, self.gate_activation, self.backend = output_gate, gate_activation, backend
 
         self.q = Dense(d_model, (H, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
         self.k = Dense(d_model, (H, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
@@ -207,7 +214,7 @@ class MemoryMixer(nnx.Module):
             o = self.norm(o)
         if self.output_gate != "none":
             gx = self.out_gate(self.out_gate_a(x)) if self.output_gate == "lowrank" else self.out_gate(x)
-            act = jax.nn.silu if self.rule == "gdn" else jax.nn.sigmoid
+            act = jax.nn.silu if self.gate_activation == "silu" else jax.nn.sigmoid
             o = o * act(gx.astype(jnp.float32)).astype(o.dtype)
         return jnp.einsum("...hv,hvd->...d", o.astype(x.dtype), self.o[...].astype(x.dtype))
 

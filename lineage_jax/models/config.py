@@ -53,6 +53,7 @@ class ModelConfig:
     kda_gate: str = "softplus"  # "softplus" (Kimi Linear) | "bounded" (K3: −5·σ(exp(A)·z))
     kda_gate_rank: Optional[int] = None  # default head_dim
     kda_output_gate: str = "lowrank"  # "lowrank" | "full"
+    gdn_output_gate: str = "silu"  # GDN's full output gate: "silu" (fla's GatedDeltaNet) | "sigmoid" | "none"
     # Chunked form of the delta rules (D, G, K) in training / prefill: "xla" (lineage_jax.memory's
     # chunked form), "pallas" (the kernels.delta kernels: Triton on GPU, Mosaic on TPU, interpret
     # mode on CPU) or "auto" (Pallas on GPU/TPU for float32 activations, else XLA; see memory.rules).
@@ -162,6 +163,8 @@ def validate(c: ModelConfig) -> None:
         _fail("memory_backend", f"must be 'xla', 'pallas' or 'auto', got {c.memory_backend!r}")
     if c.kda_output_gate not in ("lowrank", "full"):
         _fail("kda_output_gate", f"must be 'lowrank' or 'full', got {c.kda_output_gate!r}")
+    if c.gdn_output_gate not in ("silu", "sigmoid", "none"):
+        _fail("gdn_output_gate", f"must be 'silu', 'sigmoid' or 'none', got {c.gdn_output_gate!r}")
     if "M" in c.pattern:
         for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             positive(f)

@@ -58,8 +58,18 @@ def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
                    v_head_dim=cfg.v_head_dim, use_rope=cfg.mla_rope, output_gate=cfg.mla_output_gate, rngs=rngs)
     return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
                        conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
-                       gate_rank=cfg.kda_gate_rank, output_gate=cfg.kda_output_gate if kind == "kda" else None,
-                       chunk_size=cfg.chunk_size, backend=cfg.memory_backend, rngs=rngs)
+                       gate_rank=cfg.kda_gate_rank, chunk_size=cfg.chunk_size, backend=cfg.memory_backend, rngs=rngs,
+                       **_output_gate(cfg, kind))
+
+
+def _output_gate(cfg: ModelConfig, kind: str) -> dict:
+    """The fixed-state mixers' output gate from the config (None: the rule's default)."""
+    if kind == "kda":
+        return dict(output_gate=cfg.kda_output_gate)
+    if kind == "gdn":
+        return (dict(output_gate="none") if cfg.gdn_output_gate == "none"
+                else dict(output_gate="full", gate_activation=cfg.gdn_output_gate))
+    return {}
 
 
 def make_ffn(cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):

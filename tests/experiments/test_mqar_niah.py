@@ -16,6 +16,7 @@ import pytest
 from experiments import mqar as M
 from experiments import niah as N
 from experiments import trainer as T
+from lineage_jax import accounting
 from lineage_jax import data as D
 from lineage_jax.models import ModelConfig
 from lineage_jax.train.step import init_state, make_train_step
@@ -113,6 +114,13 @@ def test_two_layer_architectures():
     (_, label, pattern, extra), = M.architectures(["k3"], 2)
     cfg = M.model_config(label, pattern, extra, 128, 64, 8192)
     assert (cfg.num_heads, cfg.resolved_head_dim, cfg.attnres_block, cfg.num_experts) == (2, 64, 2, 8)
+    # The diagnostic GDN row (not in the default sweep): the same model without its output gate.
+    (_, label, pattern, extra), = M.architectures(["gdn_nogate"], 2)
+    nogate = M.model_config(label, pattern, extra, 64, 64, 8192)
+    gated = M.model_config(*M.architectures(["gdn"], 2)[0][1:], 64, 64, 8192)
+    assert pattern == "GG" and nogate.gdn_output_gate == "none" and gated.gdn_output_gate == "silu"
+    n_gate = accounting.param_counts(gated)["total"] - accounting.param_counts(nogate)["total"]
+    assert n_gate == 2 * 64 * 64  # one d × (H·V) gate projection per layer, no bias
 
 
 @pytest.mark.parametrize("module, kwargs, arg", [

@@ -97,13 +97,33 @@ def test_kda_gates_are_log_decays_and_bounded():
 
 
 @pytest.mark.parametrize("bad", [dict(rule="mamba"), dict(rule="kda", num_heads=0), dict(rule="kda", kda_gate="tanh"),
-                                 dict(rule="kda", output_gate="mid"), dict(rule="kda", conv_size=1)])
+                                 dict(rule="kda", output_gate="mid"), dict(rule="kda", conv_size=1),
+                                 dict(rule="gdn", gate_activation="relu")])
 def test_bad_config_names_field(bad):
     kw = dict(num_heads=2, head_dim=4, rngs=nnx.Rngs(0))
     kw.update(bad)
     field = [k for k in bad if k != "rule"][-1] if len(bad) > 1 else "rule"
     with pytest.raises(ValueError, match=field):
         MemoryMixer(D, **kw)
+
+
+def test_gdn_output_gate_variants():
+    """GDN's output gate: SiLU by default (fla), sigmoid or none on request — the read is the normed
+    state read times act(W_g x), and with no gate there is no gate parameter at all."""
+    x = jax.random.normal(jax.random.key(1), (2, 6, D))
+    layers = {act: MemoryMixer(D, rule="gdn", num_heads=2, head_dim=8, gate_activation=act, rngs=nnx.Rngs(0))
+              for act in ("silu", "sigmoid")}
+    plain = MemoryMixer(D, rule="gdn", num_heads=2, head_dim=8, output_gate="none", rngs=nnx.Rngs(0))
+    assert layers["silu"].gate_activation == "silu" and not hasattr(plain, "out_gate")
+    q, k, v, g, beta, _ = plain._inputs(x, None, None)
+    o, _ = plain._rule(q, k, v, g, beta, None, None)
+    normed = plain.norm(o)
+    for act, fn in (("silu", jax.nn.silu), ("sigmoid", jax.nn.sigmoid)):
+        layer = layers[act]
+        gate = fn(layer.out_gate(x).astype(jnp.float32))
+        want = jnp.einsum("...hv,hvd->...d", normed * gate, layer.o[...])
+        np.testing.assert_allclose(layer(x), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(plain(x), jnp.einsum("...hv,hvd->...d", normed, plain.o[...]), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_input_width():

@@ -213,7 +213,8 @@ def test_attnres_first_read_is_the_embedding():
 
 @pytest.mark.parametrize("field,value", [
     ("pattern", "KKX"), ("pattern", ""), ("top_k", 9), ("num_heads", 5), ("attnres_block", 99),
-    ("first_dense_layers", 50), ("num_kv_heads", 3), ("kda_gate", "tanh"), ("moe_dispatch", "dense"),
+    ("first_dense_layers", 50), ("num_kv_heads", 3), ("kda_gate", "tanh"), ("gdn_output_gate", "relu"),
+    ("moe_dispatch", "dense"),
     ("chunk_size", 0), ("scan_period", 0), ("kv_lora_rank", 0), ("memory_backend", "triton"),
 ])
 def test_inconsistent_configs_name_the_field(field, value):
