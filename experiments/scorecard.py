@@ -6,6 +6,7 @@
     python -m experiments.scorecard --budget wide         # the first, roomier budget (see WIDE)
     python -m experiments.scorecard --budget evict        # 4x the facts: past a layer's key capacity (see EVICT)
     python -m experiments.scorecard --only gpt2,gpt2_nope  # diagnostic: GPT-2 without positions
+    python -m experiments.scorecard --decode-only         # the decode column alone, untrained models
 
 For each architecture of the lineage — GPT-2 softmax + KV cache, linear attention,
 DeltaNet, Gated DeltaNet, KDA, MLA, the Kimi Linear 3:1 hybrid and a K3-style hybrid
@@ -189,12 +190,15 @@ def make_probes(b: Budget, seed: int):
 
 def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optional[int] = None,
         only: Optional[list[str]] = None, compile_workers: Optional[int] = None,
-        merge: Optional[list[str]] = None, budget: str = "pressure") -> dict:
+        merge: Optional[list[str]] = None, budget: str = "pressure", decode_only: bool = False) -> dict:
     """Train, score and cost every architecture (``only``: a subset of ``KEYS``; ``budget``: a key
     of ``BUDGETS``, ignored with ``quick``).
 
     ``merge``: instead of training, join the records of earlier calls (their ``--out`` roots or
     ``scorecard.json`` paths) into one record, table and plot.
+
+    ``decode_only``: skip training and time only the decode column, on freshly initialised
+    models (:func:`decode_column`).
     """
     if merge:
         return merged(merge, out)
@@ -213,6 +217,8 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     record = C.provenance(NAME, quick)
     record["budget"] = dataclasses.asdict(b)
     record["budget_name"] = "quick" if quick else budget
+    if decode_only:
+        return decode_column(archs, b, seed, record, out)
     record["predicted_fail"] = PREDICTED_FAIL
     n_eval = b.eval_sequences
     train = T.stack_rows(T.Mixture(list(make_probes(b, seed).values())), min(b.steps * b.batch, b.max_train_rows))
@@ -257,6 +263,46 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
         result = C.finish(partial, NAME, out, plot(rows, b))
     bar.close()
     return result
+
+
+DECODE_NAME = NAME + "_decode"
+
+
+def decode_column(archs: list, b: Budget, seed: int, record: dict, out: str) -> dict:
+    """The card's decode column alone: ms per token after a ``decode_context`` prefill, timed
+    like the card (``trainer.decode_ms_per_token``) on freshly initialised models.
+
+    A decode step's cost does not depend on the weights' values — except through MoE routing,
+    whose load balance differs between random and trained routers (the expert matmuls are the
+    same size either way). Written to ``<out>/scorecard_decode/`` so it never replaces a card."""
+    from flax import nnx
+
+    from lineage_jax.models import Decoder
+
+    rows = []
+    for label, pattern, extra in C.progress(archs, desc="decode", unit="arch"):
+        cfg = model_config(label, pattern, extra, b)
+        model = Decoder(cfg, rngs=nnx.Rngs(seed))
+        rows.append({"architecture": label, "pattern": pattern, "params": accounting.param_counts(cfg)["total"],
+                     "decode_ms_per_token": T.decode_ms_per_token(model, b.vocab, b.decode_context, b.decode_tokens,
+                                                                  seed=seed)})
+        result = C.finish(dict(record, decode_only=True, rows=rows, complete=len(rows) == len(archs)),
+                          DECODE_NAME, out, decode_plot(rows, b))
+    return result
+
+
+def decode_plot(rows: list[dict], b: Budget):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    y = np.arange(len(rows))
+    ax.barh(y, [r["decode_ms_per_token"] for r in rows], color="C2")
+    ax.set_yticks(y, [r["architecture"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"decode ms per token (batch 1, after {b.decode_context} tokens of context)")
+    ax.set_title(f"scorecard decode column (d {b.d_model}, untrained weights)")
+    fig.tight_layout()
+    return fig
 
 
 def kind_masks(task, rows: dict) -> dict[str, np.ndarray]:
@@ -332,6 +378,14 @@ def plot(rows: list[dict], b: Budget):
 
 
 def table(record: dict) -> str:
+    if record.get("decode_only"):
+        b = record["budget"]
+        return C.format_table(["architecture", "params", "decode ms/tok"],
+                              [[r["architecture"], f"{r['params']:,}", f"{r['decode_ms_per_token']:.2f}"]
+                               for r in record["rows"]],
+                              f"Scorecard decode column ({record['budget_name']}: d={b['d_model']}, untrained weights, "
+                              f"{b['decode_tokens']} tokens after {b['decode_context']}; "
+                              f"device {record['device']['description']})")
     rows = []
     for r in record["rows"]:
         rows.append([r["architecture"], C.fmt_bytes(r["memory_per_layer_1k"]), C.fmt_bytes(r["memory_per_layer_1m"]),
@@ -369,6 +423,8 @@ def main(argv=None) -> dict:
                              "wide (d 256, no capacity pressure) or evict (4x the facts of pressure: past capacity)")
     parser.add_argument("--merge", type=lambda t: t.split(","), default=None,
                         help="join earlier calls' records (their --out roots or scorecard.json paths) instead of training")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="time only the decode column, on untrained models (written to scorecard_decode/)")
     return C.main_for(NAME, parser, run, table, argv)
 
 

@@ -60,6 +60,19 @@ def test_scorecard_structure(tmp_path):
         S.run(out=str(tmp_path / "m4"), merge=[str(tmp_path / "nowhere")])
 
 
+def test_decode_only_times_untrained_models_without_touching_the_card(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "experiments.scorecard", "--quick", "--decode-only",
+                          "--only", "deltanet,gdn_nogate", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "decode ms/tok" in out.stdout and "untrained" in out.stdout
+    rec = json.loads((tmp_path / "scorecard_decode" / "scorecard_decode.json").read_text())
+    assert rec["decode_only"] and rec["complete"] and not (tmp_path / "scorecard").exists()
+    assert [r["architecture"] for r in rec["rows"]] == [S.KEYS["deltanet"], S.EXTRA_KEYS["gdn_nogate"]]
+    assert all(np.isfinite(r["decode_ms_per_token"]) and r["decode_ms_per_token"] > 0 for r in rec["rows"])
+    assert (tmp_path / "scorecard_decode" / "scorecard_decode.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_scorecard_rejects_unknown_architecture(tmp_path):
     with pytest.raises(ValueError, match="only"):
         S.run(quick=True, out=str(tmp_path), steps=1, only=["mamba"])
