@@ -41,8 +41,8 @@ baseline extended to 1.25× and 1.5× (bracketing the reported 1.25×; the first
 crossing at 1.17×, so 2× was never reached): 3800 steps, about 5 minutes on one H200 (measured
 2026-11-29, one process alone on the GPU: plain 800 steps in 50 s, AttnRes in 90 s — a step
 1.8× dearer at this width, before the stream's read stopped copying its source buffer (CPU:
-1.39× → 1.10×) — plain ×1.5 in 73 s, compile ≈ 20 s each, overlapped). Each finished run is saved to ``attnres.partial.json`` at
-once, with the depth profiles of the two compared models (probed as soon as each is trained,
+1.39× → 1.10×) — plain ×1.5 in 73 s, compile ≈ 20 s each, overlapped). Each finished run is
+saved to ``attnres.partial.json`` at once, with the depth profiles of the two compared models (probed as soon as each is trained,
 before the baseline extensions), so a run cut short keeps what it trained.
 """
 
@@ -229,6 +229,7 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, layers: Option
     sweeps = [(name, LM.LMSweep(cfg, lrs=b.lrs, steps=s, batch=b.batch, seed=seed, log_every=b.steps // b.evals))
               for name, cfg, s in plan]
     probe_tokens = val["tokens"][: b.probe_rows]
+    partial = dict(C.provenance(NAME, quick), budget=dataclasses.asdict(b))
     profiles = {}  # depth profiles, probed as soon as each compared model is trained
 
     def on_result(done: dict) -> None:
@@ -238,7 +239,6 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, layers: Option
                 profiles[name].pop("logits")
         C.save_partial(dict(partial, finished=done, profiles=profiles), NAME, out)
 
-    partial = dict(C.provenance(NAME, quick), budget=dataclasses.asdict(b))
     results = LM.run_sweeps(sweeps, train, val, "attnres", compile_workers, on_result=on_result)
     models = {name: dict(results[name], label=cfg.name, params=accounting.param_counts(cfg)["total"], **profiles[name])
               for name, cfg in configs.items()}
@@ -322,7 +322,8 @@ def table(record: dict) -> str:
              f"blocks of {b['block']}, "
              f"{b['steps']} steps × {b['batch']} × {b['seq_len']} bytes, lrs {b['lrs']}; "
              f"{record['device']['description']}; wall {record['wall_s']:.0f} s)")
-    headers = ["model", "params", "best lr", "val loss", "train ms/step", "RMS in L0", f"L{L // 2}", f"L{L - 1}", "final", "max/min"]
+    headers = ["model", "params", "best lr", "val loss", "train ms/step", "RMS in L0", f"L{L // 2}", f"L{L - 1}",
+               "final", "max/min"]
     return "\n".join([C.format_table(headers, rows, title), "", _advantage_text(record["advantage"])])
 
 

@@ -234,9 +234,7 @@ def planned_runs(gpus: Sequence[int], layouts: Sequence[str], b: Budget) -> list
         for layout in layouts:
             if layout == "dp":
                 sizes = {"data": n}
-            elif layout == "ep":
-                sizes = {"expert": n}
-            elif layout == "ep_rep":
+            elif layout in ("ep", "ep_rep"):  # ep_rep: the same mesh, other rules (see train_run)
                 sizes = {"expert": n}
             elif layout == "fsdp":
                 sizes = {"fsdp": n}

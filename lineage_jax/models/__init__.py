@@ -3,4 +3,5 @@
 from lineage_jax.models.config import CONFIGS, MIXERS, ModelConfig, config_names, get_config
 from lineage_jax.models.decoder import Decoder, DecoderCache, InferenceSteps, inference_steps, layer_groups
 
-__all__ = ["CONFIGS", "MIXERS", "Decoder", "DecoderCache", "InferenceSteps", "ModelConfig", "config_names", "get_config", "inference_steps", "layer_groups"]
+__all__ = ["CONFIGS", "MIXERS", "Decoder", "DecoderCache", "InferenceSteps", "ModelConfig", "config_names", "get_config",
+           "inference_steps", "layer_groups"]
