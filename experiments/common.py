@@ -285,11 +285,17 @@ def fmt_tokens(n: int) -> str:
 
 def main_for(name: str, parser: argparse.ArgumentParser, run: Callable[..., dict],
              table: Callable[[dict], str], argv: Optional[Sequence[str]] = None, **extra: Any) -> dict:
-    """Parse ``argv``, call ``run``, print the table and where the files went."""
+    """Parse ``argv``, call ``run``, print the table and where the files went.
+
+    A ``ValueError`` from ``run`` (the experiments' argument checks name the argument) ends the
+    command as an argparse error — usage, the message, exit status 2 — not a traceback."""
     args = parser.parse_args(argv)
     kwargs = {k: v for k, v in vars(args).items() if k not in ("quick", "out", "json")}
     kwargs.update(extra)
-    record = run(quick=args.quick, out=args.out, **kwargs)
+    try:
+        record = run(quick=args.quick, out=args.out, **kwargs)
+    except ValueError as e:
+        parser.error(str(e))
     if getattr(args, "json", False):
         print(json.dumps(record))
     else:

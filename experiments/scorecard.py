@@ -200,6 +200,9 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     ``decode_only``: skip training and time only the decode column, on freshly initialised
     models (:func:`decode_column`).
     """
+    if decode_only and (merge or steps is not None):
+        raise ValueError(f"decode_only: trains nothing, so it takes neither `merge` nor `steps` "
+                         f"(got merge={merge!r}, steps={steps!r})")
     if merge:
         return merged(merge, out)
     if budget not in BUDGETS:

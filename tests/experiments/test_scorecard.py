@@ -73,6 +73,19 @@ def test_decode_only_times_untrained_models_without_touching_the_card(tmp_path):
     assert (tmp_path / "scorecard_decode" / "scorecard_decode.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("kwargs", [dict(merge=["a"]), dict(steps=5)])
+def test_decode_only_rejects_training_arguments(tmp_path, kwargs):
+    with pytest.raises(ValueError, match="decode_only"):
+        S.run(quick=True, out=str(tmp_path), decode_only=True, **kwargs)
+
+
+def test_cli_bad_argument_is_an_error_message_not_a_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "experiments.scorecard", "--quick", "--only", "mamba",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "error: only: unknown architecture(s) ['mamba']" in out.stderr
+
+
 def test_scorecard_rejects_unknown_architecture(tmp_path):
     with pytest.raises(ValueError, match="only"):
         S.run(quick=True, out=str(tmp_path), steps=1, only=["mamba"])
