@@ -41,7 +41,7 @@ program (``trainer.LRSweep``) and the next models compile in a thread pool while
 the pipeline, not a result (``--archs`` adds the others, ~25 s of CPU compile each). Full: d 256, 4 heads × 64,
 8 layers, 600 steps of 32 × 256 tokens (4.9M bytes, < half an epoch), lrs 1e-3 and 3e-3:
 11 models; small models are compile/launch bound (~20–40 s of compile each, overlapped with
-training), about 5 minutes on one H200.
+training), about 7 minutes on one H200 (409 s, 2026-11-29).
 """
 
 from __future__ import annotations

@@ -83,12 +83,15 @@ KEYS = dict(zip(["gpt2", "linear", "deltanet", "gdn", "kda", "mla", "kimi_linear
 # Gated DeltaNet without its output gate: GDN's full SiLU output gate (fla's GatedDeltaNet) is
 # what kept it from learning MQAR at d 64 (H200: 0.003; CPU 300 steps: 0.000, and 0.85 with the
 # gate off — docs/results.md), so `--only gdn,gdn_nogate` (or mqar `--archs`) measures the gate.
+# KDA without its low-rank sigmoid output gate: the same question for KDA, which learned MQAR at
+# L 64 but not at (128, 8) in 600 H200 steps (0.005 at d 64, 0.086 at d 128; DeltaNet 0.99).
 EXTRA_ARCHITECTURES = [
     ("GPT-2 without positions (NoPE)", "SSSS", dict(positions="none", norm="layernorm", ffn_kind="gelu",
                                                     attn_bias=True)),
     ("Gated DeltaNet, no output gate", "GGGG", dict(gdn_output_gate="none")),
+    ("KDA, no output gate", "KKKK", dict(kda_output_gate="none")),
 ]
-EXTRA_KEYS = dict(zip(["gpt2_nope", "gdn_nogate"], [a[0] for a in EXTRA_ARCHITECTURES]))  # KEYS stays the card
+EXTRA_KEYS = dict(zip(["gpt2_nope", "gdn_nogate", "kda_nogate"], [a[0] for a in EXTRA_ARCHITECTURES]))  # KEYS stays the card
 
 # The seeds' predictions (000/001), stated before measuring: which architectures fail which probe.
 PREDICTED_FAIL = {

@@ -10,7 +10,9 @@
 #   once if that fails or `grain` does not import (a job without its dependencies wastes the call);
 # * runs each command ALONE on the GPU (sequentially: the 2026-11-29 call that ran three experiments
 #   side by side found the GPU 93% busy and each ran at about half speed, so all three were cut)
-#   under `timeout SECONDS`, with `--out $RESULTS` appended, its log in `$RESULTS/logs/`;
+#   under `timeout SECONDS`, with `--out $RESULTS` appended (unless the command names its own
+#   `--out`, e.g. `--out $RESULTS/mqar_L128` to keep two calls of one experiment apart:
+#   $RESULTS is exported to the jobs), its log in `$RESULTS/logs/`;
 # * archives `$RESULTS` (default /tmp/device_results) as `$OUT/results.tgz` after every job, so a
 #   call stopped by its own limit still returns what finished (partial JSONs included), and prints
 #   each job's exit status, wall time and last lines.
@@ -28,6 +30,7 @@ fi
 OUT=${OUT:-/tmp/device_out}
 RESULTS=${RESULTS:-/tmp/device_results}
 mkdir -p "$OUT" "$RESULTS/logs"
+export RESULTS
 
 if [ -z "${SKIP_WHEELS:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -48,9 +51,13 @@ while [ $# -gt 0 ]; do
     shift 2
     i=$((i + 1))
     log="$RESULTS/logs/job$i.log"
-    echo "== job $i (limit ${secs}s): $cmd --out $RESULTS" | tee -a "$summary"
+    case " $cmd " in
+        *" --out "* | *" --out="*) full=$cmd ;;  # the job chose its own output root
+        *) full="$cmd --out $RESULTS" ;;
+    esac
+    echo "== job $i (limit ${secs}s): $full" | tee -a "$summary"
     t0=$(date +%s)
-    timeout "$secs" bash -c "$cmd --out $RESULTS" > "$log" 2>&1
+    timeout "$secs" bash -c "$full" > "$log" 2>&1
     rc=$?
     echo "   rc=$rc wall=$(( $(date +%s) - t0 ))s$([ $rc -eq 124 ] && echo ' (cut by its limit)')" | tee -a "$summary"
     tar czf "$OUT/results.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"

@@ -121,6 +121,13 @@ def test_two_layer_architectures():
     assert pattern == "GG" and nogate.gdn_output_gate == "none" and gated.gdn_output_gate == "silu"
     n_gate = accounting.param_counts(gated)["total"] - accounting.param_counts(nogate)["total"]
     assert n_gate == 2 * 64 * 64  # one d × (H·V) gate projection per layer, no bias
+    # ... and KDA without its low-rank sigmoid output gate (d -> V -> H·V per layer).
+    (_, label, pattern, extra), = M.architectures(["kda_nogate"], 2)
+    kda_nogate = M.model_config(label, pattern, extra, 64, 64, 8192)
+    kda = M.model_config(*M.architectures(["kda"], 2)[0][1:], 64, 64, 8192)
+    assert pattern == "KK" and kda_nogate.kda_output_gate == "none" and kda.kda_output_gate == "lowrank"
+    n_gate = accounting.param_counts(kda)["total"] - accounting.param_counts(kda_nogate)["total"]
+    assert n_gate == 2 * (64 * 64 + 64 * 64)
 
 
 @pytest.mark.parametrize("module, kwargs, arg", [
