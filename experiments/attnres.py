@@ -1,6 +1,6 @@
 """Attention Residuals vs the plain residual: hidden-state norm over depth, and loss.
 
-    python -m experiments.attnres [--quick] [--out results] [--layers 32] [--block 4] [--steps N]
+    python -m experiments.attnres [--quick] [--out results] [--layers 32] [--d-model 128] [--block 4] [--steps N]
 
 A PreNorm residual stream is an equal-weight running sum, ``h_l = h_0 + Σ_{i<l} f_i``: its
 norm grows with depth, so every later layer's contribution is diluted. Block Attention
@@ -89,9 +89,13 @@ FULL = Budget(d_model=128, head_dim=32, layers=32, block=4, seq_len=256, batch=3
               val_rows=256, evals=16, baseline_budgets=(1.25, 1.5), probe_rows=32)
 
 
-def make_budget(quick: bool, layers=None, block=None, steps=None, lrs=None, baseline_budgets=None) -> Budget:
+def make_budget(quick: bool, layers=None, block=None, steps=None, lrs=None, baseline_budgets=None,
+                d_model=None) -> Budget:
     b = QUICK if quick else FULL
-    b = dataclasses.replace(b, layers=layers or b.layers, block=block or b.block, steps=steps or b.steps,
+    if d_model is not None and (not isinstance(d_model, int) or d_model <= 0 or d_model % b.head_dim):
+        raise ValueError(f"d_model: must be a positive multiple of the head width {b.head_dim}, got {d_model!r}")
+    b = dataclasses.replace(b, d_model=d_model or b.d_model, layers=layers or b.layers, block=block or b.block,
+                            steps=steps or b.steps,
                             lrs=tuple(float(lr) for lr in (lrs or b.lrs)),
                             baseline_budgets=tuple(sorted(baseline_budgets or b.baseline_budgets)))
     if b.layers < 2:
@@ -215,9 +219,10 @@ def compute_advantage(plain: dict, extensions: dict[float, dict], attnres: dict,
 # ----------------------------------------------------------------------------
 def run(quick: bool = False, out: str = "results", seed: int = 0, layers: Optional[int] = None,
         block: Optional[int] = None, steps: Optional[int] = None, lrs: Optional[Sequence[float]] = None,
-        baseline_budgets: Optional[Sequence[float]] = None, compile_workers: Optional[int] = None) -> dict:
+        baseline_budgets: Optional[Sequence[float]] = None, compile_workers: Optional[int] = None,
+        d_model: Optional[int] = None) -> dict:
     """Train plain and AttnRes models, probe their depth profile, estimate the compute advantage."""
-    b = make_budget(quick, layers, block, steps, lrs, baseline_budgets)
+    b = make_budget(quick, layers, block, steps, lrs, baseline_budgets, d_model)
     configs = {"attnres": model_config(b, True), "plain": model_config(b, False)}
     plan = [(name, cfg, b.steps) for name, cfg in configs.items()]
     plan += [(f"plain x{m:g}", configs["plain"], round(m * b.steps)) for m in b.baseline_budgets]
@@ -335,6 +340,8 @@ def main(argv=None) -> dict:
     parser = C.make_parser(NAME, __doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=C.positive_int, default=None, help="depth of both models")
+    parser.add_argument("--d-model", type=C.positive_int, default=None,
+                        help="width of both models (heads stay head_dim wide; FFN 4x): AttnRes's step cost vs width")
     parser.add_argument("--block", type=C.positive_int, default=None, help="AttnRes block size in layers")
     parser.add_argument("--steps", type=C.positive_int, default=None, help="training steps of the compared runs")
     parser.add_argument("--lrs", type=_floats, default=None, help="comma-separated peak learning rates")

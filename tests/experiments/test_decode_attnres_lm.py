@@ -149,6 +149,19 @@ def test_attnres_probe_reproduces_the_forward(attnres, layers):
     assert np.all(np.isfinite(profile["hidden"])) and np.all(profile["hidden"] > 0)
 
 
+def test_attnres_width_flag():
+    """--d-model widens both models (heads stay head_dim wide, FFN 4x); a width that is not a
+    whole number of heads is refused, naming the argument."""
+    b = AR.make_budget(False, d_model=256)
+    assert (b.d_model, b.layers, b.steps) == (256, AR.FULL.layers, AR.FULL.steps)
+    for attnres in (True, False):
+        cfg = AR.model_config(b, attnres)
+        assert (cfg.d_model, cfg.num_heads, cfg.resolved_head_dim, cfg.ffn_hidden) == (256, 8, 32, 1024)
+    for bad in (100, 0, -32):
+        with pytest.raises(ValueError, match="d_model"):
+            AR.make_budget(False, d_model=bad)
+
+
 def test_steps_to_reach():
     assert AR.steps_to_reach([10, 20, 30], [3.0, 2.0, 1.0], 1.5) == pytest.approx(25.0)
     assert AR.steps_to_reach([10, 20], [3.0, 2.0], 3.5) == 10.0
