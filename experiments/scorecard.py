@@ -75,14 +75,17 @@ ARCHITECTURES = [
 
 KEYS = dict(zip(["gpt2", "linear", "deltanet", "gdn", "kda", "mla", "kimi_linear", "k3"], [a[0] for a in ARCHITECTURES]))
 
-# Diagnostic rows, run only when named in --only (not part of the card): GPT-2 without its
-# learned positions (NoPE; order from the causal mask alone). GPT-2 is the one softmax row that
-# did not learn the probes in the budget (H200: val accuracy 0.04 at lr 1e-3, 0.50 at 3e-3;
-# fade doc B 0.04), while MLA (RoPE) reached 1.00 — `--only gpt2,gpt2_nope` asks whether the
-# learned absolute positions are what slows it.
+# Diagnostic rows, run only when named in --only (not part of the card). GPT-2 is the one
+# softmax row that did not learn the probes in the budget (H200: val accuracy 0.04 / 0.50 at
+# lr 1e-3 / 3e-3, fade doc B 0.04; a second run 0.64, doc B 0.07), while MLA (RoPE, RMSNorm,
+# SwiGLU) reached 1.00. GPT-2 without its learned positions (NoPE; order from the causal mask
+# alone) learned nothing (H200, 2026-11-29; that run also had the default attention init — the
+# GPT-2 init then keyed on learned positions; it now covers every LayerNorm row), and GPT-2 with
+# RoPE instead of learned positions asks whether a relative position signal is what it lacks:
+# `--only gpt2,gpt2_nope,gpt2_rope`.
 # Gated DeltaNet without its output gate: GDN's full SiLU output gate (fla's GatedDeltaNet) is
-# what kept it from learning MQAR at d 64 (H200: 0.003; CPU 300 steps: 0.000, and 0.85 with the
-# gate off — docs/results.md), so `--only gdn,gdn_nogate` (or mqar `--archs`) measures the gate.
+# what kept it from learning MQAR at d 64 (H200: 0.003, and 0.998 with the gate off —
+# docs/results.md), so `--only gdn,gdn_nogate` (or mqar `--archs`) measures the gate.
 # KDA without its low-rank sigmoid output gate: the same question for KDA, which learned MQAR at
 # L 64 but not at (128, 8) in 600 H200 steps (0.005 at d 64, 0.086 at d 128; DeltaNet 0.99).
 EXTRA_ARCHITECTURES = [
@@ -90,8 +93,10 @@ EXTRA_ARCHITECTURES = [
                                                     attn_bias=True)),
     ("Gated DeltaNet, no output gate", "GGGG", dict(gdn_output_gate="none")),
     ("KDA, no output gate", "KKKK", dict(kda_output_gate="none")),
+    ("GPT-2 with RoPE (no learned positions)", "SSSS", dict(positions="rope", norm="layernorm", ffn_kind="gelu",
+                                                            attn_bias=True)),
 ]
-EXTRA_KEYS = dict(zip(["gpt2_nope", "gdn_nogate", "kda_nogate"], [a[0] for a in EXTRA_ARCHITECTURES]))  # KEYS stays the card
+EXTRA_KEYS = dict(zip(["gpt2_nope", "gdn_nogate", "kda_nogate", "gpt2_rope"], [a[0] for a in EXTRA_ARCHITECTURES]))  # KEYS stays the card
 
 # The seeds' predictions (000/001), stated before measuring: which architectures fail which probe.
 PREDICTED_FAIL = {

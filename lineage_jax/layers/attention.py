@@ -1,7 +1,12 @@
 """Softmax multi-head attention with a KV cache (GPT-2's mixer; GQA when ``num_kv_heads < num_heads``).
 
-Positions are the model's business (GPT-2 adds learned position embeddings to
-the residual stream), so this layer is position-free.
+Positions are the model's business by default (GPT-2 adds learned position embeddings
+to the residual stream) and the layer is position-free. With ``rope_theta`` set it
+rotates every query and key at its absolute position (:func:`~lineage_jax.layers.mla.apply_rope`,
+half-split, the whole head), Llama-style; keys are cached already rotated, so decode
+rotates only the new token. Positions are ``0..T-1`` for a whole sequence and continue
+from the cache's length in prefill / decode; RoPE is relative, so packed documents
+(``segment_ids``) need no position reset.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from flax import nnx
 
 from lineage_jax import memory
 from lineage_jax.layers.common import Dense, normal, param
+from lineage_jax.layers.mla import apply_rope
 
 Array = jax.Array
 
@@ -28,14 +34,21 @@ class Attention(nnx.Module):
     """Causal softmax attention: ``o = softmax(q kᵀ / √d) v`` per head, then ``W_o``."""
 
     def __init__(self, d_model: int, *, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
-                 use_bias: bool = False, rngs: nnx.Rngs, out_std: Optional[float] = None, std: Optional[float] = None):
+                 use_bias: bool = False, rngs: nnx.Rngs, out_std: Optional[float] = None, std: Optional[float] = None,
+                 rope_theta: Optional[float] = None):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, val in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
             if val <= 0:
                 raise ValueError(f"Attention: `{name}` must be positive, got {val}")
         if num_heads % num_kv_heads:
             raise ValueError(f"Attention: `num_heads` ({num_heads}) must be a multiple of `num_kv_heads` ({num_kv_heads})")
+        if rope_theta is not None:
+            if head_dim % 2:
+                raise ValueError(f"Attention: `head_dim` must be even with rope_theta set, got {head_dim}")
+            if isinstance(rope_theta, bool) or not rope_theta > 0:
+                raise ValueError(f"Attention: `rope_theta` must be a positive number or None, got {rope_theta!r}")
         self.d_model, self.num_heads, self.head_dim, self.num_kv_heads = d_model, num_heads, head_dim, num_kv_heads
+        self.rope_theta = None if rope_theta is None else float(rope_theta)
         self.q = Dense(d_model, (num_heads, head_dim), axes=("embed", "heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)
         self.k = Dense(d_model, (num_kv_heads, head_dim), axes=("embed", "kv_heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)
         self.v = Dense(d_model, (num_kv_heads, head_dim), axes=("embed", "kv_heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)
@@ -47,9 +60,18 @@ class Attention(nnx.Module):
         y = jnp.einsum("...hv,hvd->...d", o, self.o[...].astype(o.dtype))
         return y if self.o_bias is None else y + self.o_bias[...].astype(y.dtype)
 
+    def _qk(self, x: Array, positions: Array) -> tuple[Array, Array]:
+        """Queries and keys of ``x [..., D]`` at ``positions [...]`` (rotated when the layer uses RoPE)."""
+        q, k = self.q(x), self.k(x)
+        if self.rope_theta is not None:
+            q = apply_rope(q, positions[..., None], theta=self.rope_theta)
+            k = apply_rope(k, positions[..., None], theta=self.rope_theta)
+        return q, k
+
     def __call__(self, x: Array, *, segment_ids: Optional[Array] = None) -> Array:
         _check_x("Attention", x, 3, self.d_model)
-        o = memory.softmax_attention(self.q(x), self.k(x), self.v(x), causal=True, segment_ids=segment_ids)
+        q, k = self._qk(x, jnp.arange(x.shape[1])[None, :])
+        o = memory.softmax_attention(q, k, self.v(x), causal=True, segment_ids=segment_ids)
         return self._out(o)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> memory.KVCache:
@@ -58,10 +80,12 @@ class Attention(nnx.Module):
     def prefill(self, x: Array, cache: memory.KVCache, *, segment_ids: Optional[Array] = None):
         """Process ``T`` tokens after whatever ``cache`` holds; returns ``(y, cache)``."""
         _check_x("Attention.prefill", x, 3, self.d_model)
-        o, cache = memory.softmax_attention_extend(self.q(x), self.k(x), self.v(x), cache, segment_ids=segment_ids)
+        q, k = self._qk(x, cache.length[:, None] + jnp.arange(x.shape[1])[None, :])
+        o, cache = memory.softmax_attention_extend(q, k, self.v(x), cache, segment_ids=segment_ids)
         return self._out(o), cache
 
     def decode(self, x_t: Array, cache: memory.KVCache):
         _check_x("Attention.decode", x_t, 2, self.d_model)
-        o, cache = memory.softmax_attention_step(self.q(x_t), self.k(x_t), self.v(x_t), cache)
+        q, k = self._qk(x_t, cache.length)
+        o, cache = memory.softmax_attention_step(q, k, self.v(x_t), cache)
         return self._out(o), cache

@@ -27,7 +27,8 @@ class ModelConfig:
     num_heads: int = 4
     head_dim: Optional[int] = None  # default d_model // num_heads
     num_kv_heads: Optional[int] = None  # softmax layers only (GQA)
-    positions: str = "none"  # "learned" (GPT-2) | "none"
+    positions: str = "none"  # "learned" (GPT-2) | "rope" (softmax layers rotate q, k; Llama-style) | "none"
+    rope_theta: float = 10000.0  # RoPE base: softmax layers with positions="rope", MLA with mla_rope
     max_seq_len: int = 1024  # size of the learned position table
     norm: str = "rmsnorm"  # "layernorm" | "rmsnorm"
     tie_embeddings: bool = False
@@ -129,8 +130,12 @@ def validate(c: ModelConfig) -> None:
         positive("num_kv_heads")
         if c.num_heads % c.num_kv_heads:
             _fail("num_kv_heads", f"num_heads={c.num_heads} must be a multiple of num_kv_heads={c.num_kv_heads}")
-    if c.positions not in ("learned", "none"):
-        _fail("positions", f"must be 'learned' or 'none', got {c.positions!r}")
+    if c.positions not in ("learned", "rope", "none"):
+        _fail("positions", f"must be 'learned', 'rope' or 'none', got {c.positions!r}")
+    if isinstance(c.rope_theta, bool) or not isinstance(c.rope_theta, (int, float)) or not c.rope_theta > 0:
+        _fail("rope_theta", f"must be a positive number, got {c.rope_theta!r}")
+    if c.positions == "rope" and "S" in c.pattern and c.resolved_head_dim % 2:
+        _fail("head_dim", f"must be even with positions='rope', got {c.resolved_head_dim}")
     if c.norm not in ("layernorm", "rmsnorm"):
         _fail("norm", f"must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
     if c.ffn_kind not in FFN_KINDS:
@@ -222,6 +227,7 @@ CONFIGS = {
     "kimi_k3": _kimi_k3,
     "tiny_gpt2": lambda: _tiny("tiny_gpt2", pattern="SS", positions="learned", norm="layernorm", tie_embeddings=True,
                                attn_bias=True, ffn_kind="gelu"),
+    "tiny_llama": lambda: _tiny("tiny_llama", pattern="SS", positions="rope"),  # softmax + RoPE, RMSNorm, SwiGLU
     "tiny_linear": lambda: _tiny("tiny_linear", pattern="LL", conv_size=0),
     "tiny_deltanet": lambda: _tiny("tiny_deltanet", pattern="DD"),
     "tiny_gdn": lambda: _tiny("tiny_gdn", pattern="GG"),

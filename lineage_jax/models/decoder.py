@@ -48,14 +48,18 @@ def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
     kind = MIXERS[letter]
     hd = cfg.resolved_head_dim
     if kind == "softmax":
-        gpt2_init = cfg.positions == "learned"
+        # GPT-2's init (std 0.02, output scaled by depth) for the GPT-2 family: learned positions or
+        # LayerNorm (so GPT-2 without positions, or with RoPE, differs from GPT-2 in that alone).
+        gpt2_init = cfg.positions == "learned" or cfg.norm == "layernorm"
         return Attention(cfg.d_model, num_heads=cfg.num_heads, head_dim=hd, num_kv_heads=cfg.num_kv_heads,
                          use_bias=cfg.attn_bias, rngs=rngs, std=0.02 if gpt2_init else None,
-                         out_std=0.02 / (2 * cfg.num_layers) ** 0.5 if gpt2_init else None)
+                         out_std=0.02 / (2 * cfg.num_layers) ** 0.5 if gpt2_init else None,
+                         rope_theta=cfg.rope_theta if cfg.positions == "rope" else None)
     if kind == "mla":
         return MLA(cfg.d_model, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
                    qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-                   v_head_dim=cfg.v_head_dim, use_rope=cfg.mla_rope, output_gate=cfg.mla_output_gate, rngs=rngs)
+                   v_head_dim=cfg.v_head_dim, use_rope=cfg.mla_rope, rope_theta=cfg.rope_theta,
+                   output_gate=cfg.mla_output_gate, rngs=rngs)
     return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
                        conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
                        gate_rank=cfg.kda_gate_rank, chunk_size=cfg.chunk_size, backend=cfg.memory_backend, rngs=rngs,

@@ -12,13 +12,14 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments import mqar as M
 from experiments import niah as N
 from experiments import trainer as T
 from lineage_jax import accounting
 from lineage_jax import data as D
-from lineage_jax.models import ModelConfig
+from lineage_jax.models import Decoder, ModelConfig
 from lineage_jax.train.step import init_state, make_train_step
 
 
@@ -128,6 +129,15 @@ def test_two_layer_architectures():
     assert pattern == "KK" and kda_nogate.kda_output_gate == "none" and kda.kda_output_gate == "lowrank"
     n_gate = accounting.param_counts(kda)["total"] - accounting.param_counts(kda_nogate)["total"]
     assert n_gate == 2 * (64 * 64 + 64 * 64)
+    # GPT-2 without positions / with RoPE: GPT-2 less its 64 x 64 position table, GPT-2's init kept.
+    for key, positions in (("gpt2_nope", "none"), ("gpt2_rope", "rope")):
+        (_, label, pattern, extra), = M.architectures([key], 2)
+        cfg = M.model_config(label, pattern, extra, 64, 64, 8192)
+        gpt2 = M.model_config(*M.architectures(["gpt2"], 2)[0][1:], 64, 64, 8192)
+        assert pattern == "SS" and cfg.positions == positions and gpt2.positions == "learned"
+        assert accounting.param_counts(gpt2)["total"] - accounting.param_counts(cfg)["total"] == 64 * 64
+        q = np.asarray(Decoder(cfg, rngs=nnx.Rngs(0)).groups[0].blocks[0].mixer.q.kernel[...])
+        assert abs(q.std() / 0.02 - 1) < 0.1, q.std()  # GPT-2's std 0.02, not the default fan-in init
 
 
 @pytest.mark.parametrize("module, kwargs, arg", [

@@ -15,12 +15,13 @@ D = 24
 def make(kind, **kw):
     rngs = nnx.Rngs(0)
     if kind == "softmax":
-        return Attention(D, num_heads=4, head_dim=6, num_kv_heads=2, use_bias=True, rngs=rngs)
+        return Attention(D, num_heads=4, head_dim=6, num_kv_heads=2, use_bias=True, rngs=rngs, **kw)
     return MemoryMixer(D, rule=kind, num_heads=3, head_dim=8, v_head_dim=5, chunk_size=8, rngs=rngs, **kw)
 
 
 CASES = [("softmax", {}), ("linear", {}), ("deltanet", {}), ("deltanet", {"conv_size": 0}), ("gdn", {}),
-         ("kda", {}), ("kda", {"kda_gate": "bounded", "output_gate": "full"}), ("kda", {"gate_rank": 3})]
+         ("kda", {}), ("kda", {"kda_gate": "bounded", "output_gate": "full"}), ("kda", {"gate_rank": 3}),
+         ("softmax", {"rope_theta": 100.0})]
 
 
 call = nnx.jit(lambda m, x: m(x))
@@ -52,8 +53,10 @@ def test_prefill_then_decode_equals_call(kind, kw):
     assert rel(jnp.concatenate([a, b], 1), y) <= 1e-5
 
 
-@pytest.mark.parametrize("kind,kw", CASES[:2] + CASES[4:6])
+@pytest.mark.parametrize("kind,kw", CASES[:2] + CASES[4:6] + CASES[-1:])
 def test_segments_equal_separate_runs(kind, kw):
+    # (For RoPE attention this is also the relative-position check: the second document starts
+    # at position 5 in the packed row and at 0 alone.)
     layer = make(kind, **kw)
     x = jax.random.normal(jax.random.key(2), (1, 12, D))
     seg = jnp.asarray([[0] * 5 + [1] * 7])
@@ -124,6 +127,21 @@ def test_gdn_output_gate_variants():
         want = jnp.einsum("...hv,hvd->...d", normed * gate, layer.o[...])
         np.testing.assert_allclose(layer(x), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(plain(x), jnp.einsum("...hv,hvd->...d", normed, plain.o[...]), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_attention_rotates_queries_and_keys():
+    """RoPE changes the output (same weights), only through positions: a sequence's first token
+    is at position 0, where the rotation is the identity, so its output is the plain layer's."""
+    plain, rope = make("softmax"), make("softmax", rope_theta=100.0)
+    x = jax.random.normal(jax.random.key(4), (2, 7, D))
+    y0, y1 = plain(x), rope(x)
+    assert rel(y1[:, 0], y0[:, 0]) <= 1e-6
+    assert rel(y1[:, 1:], y0[:, 1:]) > 1e-2
+    for bad, field in (({"rope_theta": 0.0}, "rope_theta"), ({"rope_theta": True}, "rope_theta")):
+        with pytest.raises(ValueError, match=field):
+            make("softmax", **bad)
+    with pytest.raises(ValueError, match="head_dim"):
+        Attention(D, num_heads=4, head_dim=5, rope_theta=100.0, rngs=nnx.Rngs(0))
 
 
 def test_bad_input_width():

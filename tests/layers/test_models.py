@@ -216,6 +216,7 @@ def test_attnres_first_read_is_the_embedding():
     ("first_dense_layers", 50), ("num_kv_heads", 3), ("kda_gate", "tanh"), ("gdn_output_gate", "relu"),
     ("moe_dispatch", "dense"),
     ("chunk_size", 0), ("scan_period", 0), ("kv_lora_rank", 0), ("memory_backend", "triton"),
+    ("positions", "alibi"), ("rope_theta", 0.0), ("rope_theta", "1e4"),
 ])
 def test_inconsistent_configs_name_the_field(field, value):
     base = get_config("tiny_kimi_linear") if field != "num_kv_heads" else get_config("tiny_gpt2")
@@ -224,6 +225,23 @@ def test_inconsistent_configs_name_the_field(field, value):
         changes["head_dim"] = None  # head_dim defaults to d_model // num_heads: 64 % 5 != 0
     with pytest.raises(ValueError, match=field):
         base.replace(**changes)
+
+
+def test_rope_softmax_decoder():
+    """positions="rope": no position table, the softmax layers rotate q and k (tiny_llama); an odd
+    head width is refused, naming head_dim; the rotation makes the model order-aware (a position-free
+    one-layer softmax model's last-token logits do not change when earlier tokens are permuted)."""
+    cfg = get_config("tiny_llama")
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    assert model.pos is None and all(b.mixer.rope_theta == cfg.rope_theta for b in model.groups[0].blocks)
+    with pytest.raises(ValueError, match="head_dim"):
+        cfg.replace(head_dim=15)
+    tokens = jax.random.randint(jax.random.key(2), (1, 9), 0, cfg.vocab_size)
+    swapped = tokens.at[:, [2, 5]].set(tokens[:, [5, 2]])
+    one = cfg.replace(pattern="S")
+    nope, rope = (Decoder(one.replace(positions=p), rngs=nnx.Rngs(0)) for p in ("none", "rope"))
+    assert rel(call(nope, swapped)[:, -1], call(nope, tokens)[:, -1]) <= 1e-5
+    assert rel(call(rope, swapped)[:, -1], call(rope, tokens)[:, -1]) > 1e-3
 
 
 def test_unknown_config_name_and_field():
