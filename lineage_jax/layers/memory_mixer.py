@@ -40,6 +40,7 @@ RULES = ("linear", "deltanet", "gdn", "kda")
 KDA_GATES = ("softplus", "bounded")
 OUTPUT_GATES = ("none", "lowrank", "full")
 GATE_ACTIVATIONS = ("silu", "sigmoid")
+A_INITS = ("default", "unit")
 
 
 class MemoryCache(NamedTuple):
@@ -105,6 +106,10 @@ class MemoryMixer(nnx.Module):
         (Without the bias ``b`` the bounded gate starts at ``−gate_bound/2`` per token for every
         channel: the memory would forget everything within a few tokens.)
       gate_rank: rank of KDA's decay projection ``f_a: D→rank, f_b: rank→H·K`` (default head_dim).
+      a_init: GDN / KDA decay scale at init. "default": as above (Mamba-2's ``A ~ U[1, 16]`` for
+        the softplus gates, ``A = 1`` for the bounded gate); "unit": ``A = 1`` for every gate, so
+        the bias alone sets the initial decay (half-lives ≥ 7 tokens) — a diagnostic of how much
+        the fast initial forgetting slows learning (no effect for linear attention / DeltaNet).
       output_norm: RMSNorm each head's read. output_gate: "none" | "lowrank" | "full".
       gate_activation: the output gate's nonlinearity, "silu" | "sigmoid" (default: SiLU for
         GDN, as in fla's GatedDeltaNet, sigmoid otherwise).
@@ -114,7 +119,8 @@ class MemoryMixer(nnx.Module):
     def __init__(self, d_model: int, *, rule: str, num_heads: int, head_dim: int, v_head_dim: Optional[int] = None,
                  conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
                  output_norm: Optional[bool] = None, output_gate: Optional[str] = None,
-                 gate_activation: Optional[str] = None, chunk_size: int = 64, backend: str = "xla", rngs: nnx.Rngs):
+                 gate_activation: Optional[str] = None, a_init: str = "default", chunk_size: int = 64,
+                 backend: str = "xla", rngs: nnx.Rngs):
         if rule not in RULES:
             raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
@@ -124,6 +130,8 @@ class MemoryMixer(nnx.Module):
             raise ValueError(f"MemoryMixer: `conv_size` must be 0 (none) or >= 2, got {conv_size}")
         if backend not in BACKENDS:
             raise ValueError(f"MemoryMixer: `backend` must be one of {BACKENDS}, got {backend!r}")
+        if a_init not in A_INITS:
+            raise ValueError(f"MemoryMixer: `a_init` must be one of {A_INITS}, got {a_init!r}")
         if kda_gate not in KDA_GATES:
             raise ValueError(f"MemoryMixer: `kda_gate` must be one of {KDA_GATES}, got {kda_gate!r}")
         defaults = {"linear": (False, "none"), "deltanet": (True, "none"), "gdn": (True, "full"), "kda": (True, "lowrank")}
@@ -152,14 +160,14 @@ class MemoryMixer(nnx.Module):
         self.beta = Dense(d_model, H, axes=("embed", "heads"), rngs=rngs) if rule != "linear" else None
         if rule == "gdn":
             self.gate_a = Dense(d_model, H, axes=("embed", "heads"), rngs=rngs)
-            self.A_log = param(rngs, _a_log_init, (H,), ("heads",))
+            self.A_log = param(rngs, _a_log_init if a_init == "default" else jax.nn.initializers.zeros, (H,), ("heads",))
             self.dt_bias = param(rngs, _dt_bias_init, (H,), ("heads",))
         elif rule == "kda":
             self.gate_a = Dense(d_model, rank, axes=("embed", "gate_rank"), rngs=rngs)
             self.gate_b = Dense(rank, (H, K), axes=("gate_rank", "heads", "head_dim"), rngs=rngs)
             # The bounded gate scales the sigmoid's argument by exp(A_log): start at A = 1 (fla's
             # safe_gate), not Mamba-2's A ~ U[1, 16], which saturates the sigmoid (dead gradient).
-            a_log_init = _a_log_init if kda_gate == "softplus" else jax.nn.initializers.zeros
+            a_log_init = _a_log_init if kda_gate == "softplus" and a_init == "default" else jax.nn.initializers.zeros
             self.A_log = param(rngs, a_log_init, (H,), ("heads",))
             self.dt_bias = param(rngs, _dt_bias_init, (H, K), ("heads", "head_dim"))
         self.norm = RMSNorm(Vd, rngs=rngs) if output_norm else None

@@ -54,6 +54,7 @@ class ModelConfig:
     kda_gate: str = "softplus"  # "softplus" (Kimi Linear) | "bounded" (K3: −5·σ(exp(A)·z))
     kda_gate_rank: Optional[int] = None  # default head_dim
     kda_output_gate: str = "lowrank"  # "lowrank" (Kimi Linear) | "full" (K3) | "none" (diagnostic)
+    decay_a_init: str = "default"  # GDN / KDA decay scale at init: "default" | "unit" (A = 1; diagnostic)
     gdn_output_gate: str = "silu"  # GDN's full output gate: "silu" (fla's GatedDeltaNet) | "sigmoid" | "none"
     # Chunked form of the delta rules (D, G, K) in training / prefill: "xla" (lineage_jax.memory's
     # chunked form), "pallas" (the kernels.delta kernels: Triton on GPU, Mosaic on TPU, interpret
@@ -168,6 +169,8 @@ def validate(c: ModelConfig) -> None:
         _fail("memory_backend", f"must be 'xla', 'pallas' or 'auto', got {c.memory_backend!r}")
     if c.kda_output_gate not in ("lowrank", "full", "none"):
         _fail("kda_output_gate", f"must be 'lowrank', 'full' or 'none', got {c.kda_output_gate!r}")
+    if c.decay_a_init not in ("default", "unit"):
+        _fail("decay_a_init", f"must be 'default' or 'unit', got {c.decay_a_init!r}")
     if c.gdn_output_gate not in ("silu", "sigmoid", "none"):
         _fail("gdn_output_gate", f"must be 'silu', 'sigmoid' or 'none', got {c.gdn_output_gate!r}")
     if "M" in c.pattern:

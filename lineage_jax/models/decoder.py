@@ -62,8 +62,8 @@ def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
                    output_gate=cfg.mla_output_gate, rngs=rngs)
     return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
                        conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
-                       gate_rank=cfg.kda_gate_rank, chunk_size=cfg.chunk_size, backend=cfg.memory_backend, rngs=rngs,
-                       **_output_gate(cfg, kind))
+                       gate_rank=cfg.kda_gate_rank, a_init=cfg.decay_a_init, chunk_size=cfg.chunk_size,
+                       backend=cfg.memory_backend, rngs=rngs, **_output_gate(cfg, kind))
 
 
 def _output_gate(cfg: ModelConfig, kind: str) -> dict:

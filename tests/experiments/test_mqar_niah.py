@@ -138,6 +138,12 @@ def test_two_layer_architectures():
         assert accounting.param_counts(gpt2)["total"] - accounting.param_counts(cfg)["total"] == 64 * 64
         q = np.asarray(Decoder(cfg, rngs=nnx.Rngs(0)).groups[0].blocks[0].mixer.q.kernel[...])
         assert abs(q.std() / 0.02 - 1) < 0.1, q.std()  # GPT-2's std 0.02, not the default fan-in init
+    # KDA with A = 1 at init: the same parameters, the decay scale starts at exp(0).
+    (_, label, pattern, extra), = M.architectures(["kda_unit_a"], 2)
+    unit = M.model_config(label, pattern, extra, 64, 64, 8192)
+    assert pattern == "KK" and unit.decay_a_init == "unit" and kda.decay_a_init == "default"
+    assert accounting.param_counts(unit)["total"] == accounting.param_counts(kda)["total"]
+    np.testing.assert_array_equal(Decoder(unit, rngs=nnx.Rngs(0)).groups[0].blocks[0].mixer.A_log[...], 0.0)
 
 
 @pytest.mark.parametrize("module, kwargs, arg", [

@@ -144,6 +144,22 @@ def test_rope_attention_rotates_queries_and_keys():
         Attention(D, num_heads=4, head_dim=5, rope_theta=100.0, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("rule,kw", [("gdn", {}), ("kda", {}), ("kda", {"kda_gate": "bounded"})])
+def test_decay_a_init(rule, kw):
+    """a_init="unit" starts every decay scale at A = 1 (A_log = 0); "default" keeps Mamba-2's
+    A ~ U[1, 16] for the softplus gates and A = 1 for the bounded gate."""
+    default = MemoryMixer(D, rule=rule, num_heads=3, head_dim=8, rngs=nnx.Rngs(0), **kw)
+    unit = MemoryMixer(D, rule=rule, num_heads=3, head_dim=8, a_init="unit", rngs=nnx.Rngs(0), **kw)
+    np.testing.assert_array_equal(unit.A_log[...], 0.0)
+    a = np.exp(np.asarray(default.A_log[...]))
+    if kw.get("kda_gate") == "bounded":
+        np.testing.assert_array_equal(a, 1.0)
+    else:
+        assert np.all((a >= 1.0) & (a <= 16.0)) and a.max() > 1.5
+    with pytest.raises(ValueError, match="a_init"):
+        MemoryMixer(D, rule=rule, num_heads=3, head_dim=8, a_init="slow", rngs=nnx.Rngs(0), **kw)
+
+
 def test_bad_input_width():
     with pytest.raises(ValueError, match="`x`"):
         make("kda")(jnp.zeros((2, 3, D + 1)))

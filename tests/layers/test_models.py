@@ -216,7 +216,7 @@ def test_attnres_first_read_is_the_embedding():
     ("first_dense_layers", 50), ("num_kv_heads", 3), ("kda_gate", "tanh"), ("gdn_output_gate", "relu"),
     ("moe_dispatch", "dense"),
     ("chunk_size", 0), ("scan_period", 0), ("kv_lora_rank", 0), ("memory_backend", "triton"),
-    ("positions", "alibi"), ("rope_theta", 0.0), ("rope_theta", "1e4"),
+    ("positions", "alibi"), ("rope_theta", 0.0), ("rope_theta", "1e4"), ("decay_a_init", "slow"),
 ])
 def test_inconsistent_configs_name_the_field(field, value):
     base = get_config("tiny_kimi_linear") if field != "num_kv_heads" else get_config("tiny_gpt2")
