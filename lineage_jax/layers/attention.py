@@ -45,7 +45,7 @@ class Attention(nnx.Module):
         if rope_theta is not None:
             if head_dim % 2:
                 raise ValueError(f"Attention: `head_dim` must be even with rope_theta set, got {head_dim}")
-            if isinstance(rope_theta, bool) or not rope_theta > 0:
+            if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
                 raise ValueError(f"Attention: `rope_theta` must be a positive number or None, got {rope_theta!r}")
         self.d_model, self.num_heads, self.head_dim, self.num_kv_heads = d_model, num_heads, head_dim, num_kv_heads
         self.rope_theta = None if rope_theta is None else float(rope_theta)

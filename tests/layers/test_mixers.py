@@ -137,7 +137,8 @@ def test_rope_attention_rotates_queries_and_keys():
     y0, y1 = plain(x), rope(x)
     assert rel(y1[:, 0], y0[:, 0]) <= 1e-6
     assert rel(y1[:, 1:], y0[:, 1:]) > 1e-2
-    for bad, field in (({"rope_theta": 0.0}, "rope_theta"), ({"rope_theta": True}, "rope_theta")):
+    for bad, field in (({"rope_theta": 0.0}, "rope_theta"), ({"rope_theta": True}, "rope_theta"),
+                       ({"rope_theta": "1e4"}, "rope_theta")):
         with pytest.raises(ValueError, match=field):
             make("softmax", **bad)
     with pytest.raises(ValueError, match="head_dim"):
