@@ -89,7 +89,8 @@ KEYS = dict(zip(["gpt2", "linear", "deltanet", "gdn", "kda", "mla", "kimi_linear
 # KDA without its low-rank sigmoid output gate: the same question for KDA, which learned MQAR at
 # L 64 but not at (128, 8) in 600 H200 steps (0.005 at d 64, 0.086 at d 128; DeltaNet 0.99) —
 # on the CPU the gate turned out a small factor (0.733 -> 0.811 at (64, 4)), so KDA with A = 1 at
-# init (Mamba-2's A ~ U[1, 16] forgets ~16x faster before the gate learns) asks about the decay.
+# init (Mamba-2's A ~ U[1, 16] forgets up to 16x, on average 8.5x, faster before the gate learns)
+# asks about the decay.
 EXTRA_ARCHITECTURES = [
     ("GPT-2 without positions (NoPE)", "SSSS", dict(positions="none", norm="layernorm", ffn_kind="gelu",
                                                     attn_bias=True)),

@@ -41,7 +41,7 @@ def test_device_jobs_keeps_a_jobs_own_out(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (results / "own" / "b.json").is_file()
-    assert f"--out $RESULTS/own" in (results / "summary.txt").read_text()
+    assert "--out $RESULTS/own" in (results / "summary.txt").read_text()
     with tarfile.open(out / "results.tgz") as tar:
         assert "res/own/b.json" in tar.getnames()
 

@@ -11,6 +11,8 @@ from the cache's length in prefill / decode; RoPE is relative, so packed documen
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional
 
 import jax
@@ -31,7 +33,8 @@ def _check_x(name: str, x: Array, rank: int, d_model: int) -> None:
 
 
 class Attention(nnx.Module):
-    """Causal softmax attention: ``o = softmax(q kᵀ / √d) v`` per head, then ``W_o``."""
+    """Causal softmax attention: ``o = softmax(q kᵀ / √d) v`` per head, then ``W_o``; with
+    ``rope_theta``, ``q`` and ``k`` are rotated at their positions first (see the module doc)."""
 
     def __init__(self, d_model: int, *, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
                  use_bias: bool = False, rngs: nnx.Rngs, out_std: Optional[float] = None, std: Optional[float] = None,
@@ -45,8 +48,9 @@ class Attention(nnx.Module):
         if rope_theta is not None:
             if head_dim % 2:
                 raise ValueError(f"Attention: `head_dim` must be even with rope_theta set, got {head_dim}")
-            if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
-                raise ValueError(f"Attention: `rope_theta` must be a positive number or None, got {rope_theta!r}")
+            if (isinstance(rope_theta, bool) or not isinstance(rope_theta, numbers.Real)
+                    or not math.isfinite(rope_theta) or not rope_theta > 0):
+                raise ValueError(f"Attention: `rope_theta` must be a positive finite number or None, got {rope_theta!r}")
         self.d_model, self.num_heads, self.head_dim, self.num_kv_heads = d_model, num_heads, head_dim, num_kv_heads
         self.rope_theta = None if rope_theta is None else float(rope_theta)
         self.q = Dense(d_model, (num_heads, head_dim), axes=("embed", "heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)

@@ -108,7 +108,7 @@ class MemoryMixer(nnx.Module):
       gate_rank: rank of KDA's decay projection ``f_a: D→rank, f_b: rank→H·K`` (default head_dim).
       a_init: GDN / KDA decay scale at init. "default": as above (Mamba-2's ``A ~ U[1, 16]`` for
         the softplus gates, ``A = 1`` for the bounded gate); "unit": ``A = 1`` for every gate, so
-        the bias alone sets the initial decay (half-lives ≥ 7 tokens) — a diagnostic of how much
+        the bias alone sets the initial decay (half-lives from ≈ 7 tokens up) — a diagnostic of how much
         the fast initial forgetting slows learning (no effect for linear attention / DeltaNet).
       output_norm: RMSNorm each head's read. output_gate: "none" | "lowrank" | "full".
       gate_activation: the output gate's nonlinearity, "silu" | "sigmoid" (default: SiLU for

@@ -12,6 +12,8 @@ plus the FFN (dense for the first ``first_dense_layers``, MoE after when
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Optional
 
 MIXERS = {"S": "softmax", "L": "linear", "D": "deltanet", "G": "gdn", "K": "kda", "M": "mla"}
@@ -133,9 +135,13 @@ def validate(c: ModelConfig) -> None:
             _fail("num_kv_heads", f"num_heads={c.num_heads} must be a multiple of num_kv_heads={c.num_kv_heads}")
     if c.positions not in ("learned", "rope", "none"):
         _fail("positions", f"must be 'learned', 'rope' or 'none', got {c.positions!r}")
-    if isinstance(c.rope_theta, bool) or not isinstance(c.rope_theta, (int, float)) or not c.rope_theta > 0:
-        _fail("rope_theta", f"must be a positive number, got {c.rope_theta!r}")
-    if c.positions == "rope" and "S" in c.pattern and c.resolved_head_dim % 2:
+    if (isinstance(c.rope_theta, bool) or not isinstance(c.rope_theta, numbers.Real)
+            or not math.isfinite(c.rope_theta) or not c.rope_theta > 0):
+        _fail("rope_theta", f"must be a positive finite number, got {c.rope_theta!r}")
+    if c.positions == "rope" and "S" not in c.pattern:
+        _fail("positions", "'rope' rotates the softmax ('S') layers and this pattern has none "
+                           f"({c.pattern!r}); MLA layers use mla_rope")
+    if c.positions == "rope" and c.resolved_head_dim % 2:
         _fail("head_dim", f"must be even with positions='rope', got {c.resolved_head_dim}")
     if c.norm not in ("layernorm", "rmsnorm"):
         _fail("norm", f"must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
@@ -171,6 +177,8 @@ def validate(c: ModelConfig) -> None:
         _fail("kda_output_gate", f"must be 'lowrank', 'full' or 'none', got {c.kda_output_gate!r}")
     if c.decay_a_init not in ("default", "unit"):
         _fail("decay_a_init", f"must be 'default' or 'unit', got {c.decay_a_init!r}")
+    if c.decay_a_init != "default" and not set(c.pattern) & {"G", "K"}:
+        _fail("decay_a_init", f"sets the GDN / KDA decay scale and this pattern has neither ({c.pattern!r})")
     if c.gdn_output_gate not in ("silu", "sigmoid", "none"):
         _fail("gdn_output_gate", f"must be 'silu', 'sigmoid' or 'none', got {c.gdn_output_gate!r}")
     if "M" in c.pattern:
@@ -230,7 +238,7 @@ CONFIGS = {
     "kimi_k3": _kimi_k3,
     "tiny_gpt2": lambda: _tiny("tiny_gpt2", pattern="SS", positions="learned", norm="layernorm", tie_embeddings=True,
                                attn_bias=True, ffn_kind="gelu"),
-    "tiny_llama": lambda: _tiny("tiny_llama", pattern="SS", positions="rope"),  # softmax + RoPE, RMSNorm, SwiGLU
+    "tiny_llama": lambda: _tiny("tiny_llama", pattern="SS", positions="rope", num_kv_heads=2),  # RoPE GQA, SwiGLU
     "tiny_linear": lambda: _tiny("tiny_linear", pattern="LL", conv_size=0),
     "tiny_deltanet": lambda: _tiny("tiny_deltanet", pattern="DD"),
     "tiny_gdn": lambda: _tiny("tiny_gdn", pattern="GG"),

@@ -330,8 +330,17 @@ class Decoder(nnx.Module):
     # ------------------------------------------------------------------ public
     def forward(self, tokens: Array, *, segment_ids: Optional[Array] = None,
                 positions: Optional[Array] = None) -> tuple[Array, dict[str, Any]]:
-        """``tokens [B, T]`` -> ``(logits [B, T, vocab] float32, aux)``."""
+        """``tokens [B, T]`` -> ``(logits [B, T, vocab] float32, aux)``.
+
+        ``positions [B, T]`` index the learned position table (``positions="learned"``). Rotary
+        layers (softmax with ``positions="rope"``, MLA with ``mla_rope``) rotate at ``0..T-1``; RoPE
+        is relative, so only a shift would differ, and passing ``positions`` to such a model is
+        refused rather than silently ignored."""
         self._check_tokens("forward", tokens, 2)
+        if positions is not None and (self.cfg.positions == "rope" and "S" in self.cfg.pattern
+                                      or self.cfg.mla_rope and "M" in self.cfg.pattern):
+            raise ValueError("Decoder.forward: `positions` only indexes a learned position table; this model's "
+                             "rotary layers rotate at 0..T-1 (pass positions=None)")
         B, T = tokens.shape
         if self.pos is not None and T > self.cfg.max_seq_len:
             raise ValueError(f"Decoder.forward: sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")

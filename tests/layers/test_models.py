@@ -216,7 +216,8 @@ def test_attnres_first_read_is_the_embedding():
     ("first_dense_layers", 50), ("num_kv_heads", 3), ("kda_gate", "tanh"), ("gdn_output_gate", "relu"),
     ("moe_dispatch", "dense"),
     ("chunk_size", 0), ("scan_period", 0), ("kv_lora_rank", 0), ("memory_backend", "triton"),
-    ("positions", "alibi"), ("rope_theta", 0.0), ("rope_theta", "1e4"), ("decay_a_init", "slow"),
+    ("positions", "alibi"), ("rope_theta", 0.0), ("rope_theta", "1e4"), ("rope_theta", float("inf")),
+    ("decay_a_init", "slow"),
 ])
 def test_inconsistent_configs_name_the_field(field, value):
     base = get_config("tiny_kimi_linear") if field != "num_kv_heads" else get_config("tiny_gpt2")
@@ -236,6 +237,17 @@ def test_rope_softmax_decoder():
     assert model.pos is None and all(b.mixer.rope_theta == cfg.rope_theta for b in model.groups[0].blocks)
     with pytest.raises(ValueError, match="head_dim"):
         cfg.replace(head_dim=15)
+    # Options that would do nothing are refused, naming the field: RoPE without a softmax layer
+    # (MLA has mla_rope), A = 1 at init without a GDN / KDA layer.
+    with pytest.raises(ValueError, match="positions"):
+        get_config("tiny_kimi_linear").replace(positions="rope")
+    with pytest.raises(ValueError, match="decay_a_init"):
+        get_config("tiny_gpt2").replace(decay_a_init="unit")
+    assert cfg.replace(rope_theta=np.float32(5e5)).rope_theta == np.float32(5e5)
+    # Explicit positions index a learned table only; a rotary model refuses them.
+    tokens8 = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(ValueError, match="positions"):
+        model.forward(tokens8, positions=jnp.arange(8)[None] + 3)
     tokens = jax.random.randint(jax.random.key(2), (1, 9), 0, cfg.vocab_size)
     swapped = tokens.at[:, [2, 5]].set(tokens[:, [5, 2]])
     one = cfg.replace(pattern="S")
