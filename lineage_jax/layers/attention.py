@@ -2,7 +2,7 @@
 
 Positions are the model's business by default (GPT-2 adds learned position embeddings
 to the residual stream) and the layer is position-free. With ``rope_theta`` set it
-rotates every query and key at its absolute position (:func:`~lineage_jax.layers.mla.apply_rope`,
+rotates every query and key at its absolute position (:func:`~lineage_jax.layers.common.apply_rope`,
 half-split, the whole head), Llama-style; keys are cached already rotated, so decode
 rotates only the new token. Positions are ``0..T-1`` for a whole sequence and continue
 from the cache's length in prefill / decode; RoPE is relative, so packed documents
@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lineage_jax import memory
-from lineage_jax.layers.common import Dense, normal, param
-from lineage_jax.layers.mla import apply_rope
+from lineage_jax.layers.common import Dense, apply_rope, normal, param
 
 Array = jax.Array
 

@@ -105,3 +105,26 @@ class LayerNorm(nnx.Module):
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def apply_rope(x: Array, positions: Array, *, theta: float) -> Array:
+    """Rotary embedding, half-split ("GPT-NeoX") convention, computed in float32.
+
+    Channel ``i < r/2`` is paired with channel ``i + r/2`` and the pair is rotated by
+    ``positions · theta ** (-2i / r)``. (DeepSeek's reference code pairs adjacent
+    channels ``(2i, 2i+1)`` instead; the two differ by a fixed permutation of the
+    rope channels of ``W_kr`` / ``W_q``, so neither is more expressive.)
+
+    Args:
+      x: ``[..., r]`` with ``r`` even.
+      positions: integer positions broadcastable to ``x.shape[:-1]``.
+    Returns:
+      the rotated ``x``, same shape and dtype.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq      # [..., r/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from lineage_jax.layers.common import Dense, RMSNorm, normal, param
+from lineage_jax.layers.common import Dense, RMSNorm, apply_rope, normal, param  # apply_rope: re-exported
 from lineage_jax.memory import _validate as V
 from lineage_jax.memory.segments import document_index
 
@@ -72,29 +72,6 @@ def mla_cache_values_per_token(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
         if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
             raise ValueError(f"mla_cache_values_per_token: `{name}` must be a positive int, got {val!r}")
     return kv_lora_rank + qk_rope_head_dim
-
-
-def apply_rope(x: Array, positions: Array, *, theta: float) -> Array:
-    """Rotary embedding, half-split ("GPT-NeoX") convention, computed in float32.
-
-    Channel ``i < r/2`` is paired with channel ``i + r/2`` and the pair is rotated by
-    ``positions · theta ** (-2i / r)``. (DeepSeek's reference code pairs adjacent
-    channels ``(2i, 2i+1)`` instead; the two differ by a fixed permutation of the
-    rope channels of ``W_kr`` / ``W_q``, so neither is more expressive.)
-
-    Args:
-      x: ``[..., r]`` with ``r`` even.
-      positions: integer positions broadcastable to ``x.shape[:-1]``.
-    Returns:
-      the rotated ``x``, same shape and dtype.
-    """
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq      # [..., r/2]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def _expanded_attention(q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, v: Array,
