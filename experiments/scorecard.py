@@ -154,9 +154,10 @@ PRESSURE = Budget(d_model=128, head_dim=32, seq_len=256, batch=64, steps=3000, l
 # PRESSURE, 4× the facts. 128 live facts = 4× a head's key dim and all 128 key dims of a layer's
 # 4 heads: no single head, nor a layer whose heads split the facts with any slack, holds every
 # fact exactly, so the memory must choose what to evict (the 4-layer model's 512 key dims could
-# still hold them only by spreading facts over layers as well) — where the seeds' finer predictions (DeltaNet fades badly without a gate, GDN's scalar gate
-# cannot keep long-lived facts under junk while KDA's per-channel gate can) should show, if
-# anywhere; softmax/MLA caches grow instead. seq_len 1024 = 4 × (128 + 128) fills fade exactly
+# still hold them only by spreading facts over layers as well) — where the seeds' finer
+# predictions (DeltaNet fades badly without a gate, GDN's scalar gate cannot keep long-lived
+# facts under junk while KDA's per-channel gate can) should show, if anywhere; softmax/MLA
+# caches grow instead. seq_len 1024 = 4 × (128 + 128) fills fade exactly
 # once; batch 16 keeps PRESSURE's 16K tokens per step; vocab 1024 gives the 256 distinct keys
 # fade needs. Estimated ≈ 1.2–2× PRESSURE's H200 time (same tokens; softmax rows attend 4×
 # further): two device calls of ~4 rows.
@@ -433,7 +434,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--compile-workers", type=C.positive_int, default=None,
                         help="threads compiling the next architectures while one trains (default: cores - 1, at most 8)")
     parser.add_argument("--only", type=lambda t: t.split(","), default=None,
-                        help=f"comma-separated subset of: {','.join(KEYS)}")
+                        help=f"comma-separated subset of: {','.join(KEYS)}; "
+                             f"diagnostic rows (not part of the card): {','.join(EXTRA_KEYS)}")
     parser.add_argument("--budget", default="pressure", choices=sorted(BUDGETS),
                         help="full-size budget (ignored with --quick): pressure (the default: probes at capacity), "
                              "wide (d 256, no capacity pressure) or evict (4x the facts of pressure: past capacity)")
