@@ -270,17 +270,32 @@ def merged(sources: Sequence[str], out: str) -> dict:
 # ----------------------------------------------------------------------------
 # Reporting.
 # ----------------------------------------------------------------------------
+def _style(key: str, keys: Sequence[str]) -> dict:
+    """One line style per architecture, the same in every panel: a scorecard row gets its own
+    colour (its place in ``KEYS``), a diagnostic row (``gdn_nogate``, ``kda_unit_a``, ...) its
+    parent's colour, dashed, with its own marker."""
+    if key in KEYS:
+        return dict(color=f"C{KEYS.index(key)}", marker="o", linestyle="-")
+    parent = next((k for k in KEYS if key.startswith(k + "_")), None)
+    extra = [k for k in keys if k not in KEYS]
+    i = extra.index(key) if key in extra else 0
+    color = f"C{KEYS.index(parent)}" if parent else f"C{(len(KEYS) + i) % 10}"
+    return dict(color=color, marker="s^Dv<>ph"[i % 8], linestyle="--")
+
+
 def plot(results: list[dict], b: Budget):
     import matplotlib.pyplot as plt
 
     lengths = sorted({(r["seq_len"], r["num_kv_pairs"]) for r in results})
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths) + 1.5, 4), sharey=True, squeeze=False)
-    archs = list(dict.fromkeys(r["architecture"] for r in results))
+    archs = list(dict.fromkeys((r["arch"], r["architecture"]) for r in results))
+    style = {label: _style(key, [k for k, _ in archs]) for key, label in archs}
     for ax, (L, N) in zip(axes[0], lengths):
-        for i, arch in enumerate(archs):
+        for _, arch in archs:
             pts = sorted((r["d_model"], r["best_accuracy"]) for r in results
                          if r["architecture"] == arch and r["seq_len"] == L and r["num_kv_pairs"] == N)
-            ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=arch)
+            if pts:
+                ax.plot(*zip(*pts), label=arch, **style[arch])
         ax.set_xscale("log", base=2)
         ax.set_xticks(b.widths, [str(w) for w in b.widths])
         ax.set_ylim(-0.03, 1.03)
@@ -288,7 +303,10 @@ def plot(results: list[dict], b: Budget):
         ax.set_title(f"L = {L}, {N} key-value pairs")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"MQAR accuracy (best of {len(b.lrs)} lrs)")
-    axes[0][-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
+    # The legend names every architecture drawn, not only those of the last panel (a diagnostic
+    # row run at one length only would otherwise be unlabelled).
+    handles = [plt.Line2D([], [], label=arch, **style[arch]) for _, arch in archs]
+    axes[0][-1].legend(handles=handles, loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
     fig.suptitle(f"MQAR, {b.layers} layers, vocab {b.vocab}, {b.steps} steps × {b.tokens_per_step} tokens")
     fig.tight_layout()
     return fig

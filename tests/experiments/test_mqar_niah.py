@@ -146,6 +146,24 @@ def test_two_layer_architectures():
     np.testing.assert_array_equal(Decoder(unit, rngs=nnx.Rngs(0)).groups[0].blocks[0].mixer.A_log[...], 0.0)
 
 
+def test_plot_legend_names_every_architecture_drawn():
+    """A diagnostic row run at one length only is still named (the legend was the last panel's)."""
+    def run(arch, label, L, d, acc):
+        return {"arch": arch, "architecture": label, "seq_len": L, "num_kv_pairs": M.ZOOLOGY_PAIRS[L],
+                "d_model": d, "best_accuracy": acc}
+    runs = [run("deltanet", "DeltaNet", L, d, 1.0) for L in (64, 128) for d in (64, 128)]
+    runs += [run("kda_nogate", "KDA, no output gate", 64, 64, 0.9)]
+    fig = M.plot(runs, dataclasses.replace(M.FULL, lengths=((64, 4), (128, 8)), widths=(64, 128)))
+    legend = fig.axes[-1].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["DeltaNet", "KDA, no output gate"]
+    handles = legend.legend_handles
+    assert [h.get_linestyle() for h in handles] == ["-", "--"]  # the diagnostic row is dashed ...
+    assert handles[0].get_color() != handles[1].get_color() == M._style("kda", M.KEYS)["color"]  # ... in KDA's colour
+    kda_rows = [M._style(k, ["kda", "kda_nogate", "kda_unit_a"]) for k in ("kda_nogate", "kda_unit_a")]
+    assert kda_rows[0]["color"] == kda_rows[1]["color"] and kda_rows[0]["marker"] != kda_rows[1]["marker"]
+    assert len(fig.axes[0].lines) == 2 and len(fig.axes[1].lines) == 1  # nothing drawn where it has no runs
+
+
 @pytest.mark.parametrize("module, kwargs, arg", [
     (M, dict(archs=["mamba"]), "archs"),
     (M, dict(widths=[0]), "widths"),
