@@ -36,6 +36,16 @@ the batch is cut until they do (``cache_fit_batch`` vs ``batch``; the row says w
 context whose cache does not fit even at batch 1 is recorded as "does not fit". At the fill
 batch the reported per-token time is the step time divided by the batch (inverse throughput).
 
+**Layers unscanned** (``scan_layers=False``, every row): each layer keeps its cache in its own
+buffer, as a serving stack does. With the layers scanned (the training default) the caches
+are stacked along a layer axis and each decode step reads a layer's slice out of the stack
+and writes it back whole — a copy of the cache per step that XLA does not remove (on the
+H200, MHA at 1M tokens and batch 1 took 105.8 ms scanned; reading its 34 GB cache once takes
+≈ 7 ms). On the CPU (2026-11-30, d 256, 4 heads × 64, bf16, 64K tokens, batch 1) unscanning
+took MHA's step from 222 to 140 ms and MLA's from 18.3 to 13.9 ms; KDA's (0.95 → 1.11 ms) and
+the hybrid's (3.2 ms) barely move. The H200 numbers in ``docs/results.md`` up to commit
+``6c360cc`` were measured scanned.
+
 **Kimi Linear's claim** (tech report, 2025): against full MLA attention at 1M tokens the 3:1
 hybrid decodes with 6.3× lower time per output token when the freed memory is spent on
 batch, and ≈2.2× at batch 1. Ours is printed next to it — at the longest context where both
@@ -126,7 +136,8 @@ def model_config(key: str, b: Budget) -> ModelConfig:
     return ModelConfig(name=label, vocab_size=b.vocab, d_model=b.d_model, pattern=unit * (b.layers // len(unit)),
                        num_heads=b.num_heads, head_dim=b.head_dim, ffn_hidden=b.ffn_hidden,
                        kv_lora_rank=b.kv_lora_rank, qk_nope_head_dim=b.head_dim, qk_rope_head_dim=b.qk_rope_head_dim,
-                       v_head_dim=b.head_dim, dtype=b.dtype, max_seq_len=max(b.contexts))
+                       v_head_dim=b.head_dim, dtype=b.dtype, max_seq_len=max(b.contexts),
+                       scan_layers=False)  # per-layer cache buffers, as a server keeps them (module doc)
 
 
 # ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -69,6 +70,18 @@ def test_decode_scaling_does_not_fit_is_recorded(tmp_path):
     rec = DS.run(quick=True, out=str(tmp_path), only=["mha"], contexts=[64], steps=2, device_memory_gb=1e-6)
     assert [r["status"] for r in rec["rows"]] == ["does not fit"] * len(DS.MODES)
     assert "does not fit" in DS.table(rec)
+
+
+def test_decode_models_keep_one_cache_buffer_per_layer():
+    """Unscanned layers: no decode step copies a layer's slice out of a stacked cache (module doc)."""
+    b = DS.make_budget(True)
+    for key in DS.ARCHS:
+        model = DS.Target(DS.model_config(key, b)).model
+        assert [n for _, _, n in model.groups_spec] == [1] * len(model.groups_spec)  # no scanned group
+        cache = jax.eval_shape(lambda: model.init_cache(2, 64, jnp.bfloat16))
+        # Each layer's growing cache / state is its own leaf, not a slice of a [layers, ...] stack.
+        big = [leaf.shape for leaf in jax.tree.leaves(cache) if len(leaf.shape) >= 3]
+        assert big and all(shape[0] == 2 for shape in big), big
 
 
 def test_fill_batch():
