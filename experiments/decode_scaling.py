@@ -46,6 +46,10 @@ took MHA's step from 222 to 140 ms and MLA's from 18.3 to 13.9 ms; KDA's (0.95 �
 the hybrid's (3.2 ms) barely move. The H200 numbers in ``docs/results.md`` up to commit
 ``6c360cc`` were measured scanned.
 
+**Read rate**: each measured point also reports ``read_gb_per_s`` = (weight bytes + the
+whole cache) / step time — the least a step must read, so against the device's memory
+bandwidth (H200: 4.8 TB/s) it says how close the step is to its roofline.
+
 **Kimi Linear's claim** (tech report, 2025): against full MLA attention at 1M tokens the 3:1
 hybrid decodes with 6.3× lower time per output token when the freed memory is spent on
 batch, and ≈2.2× at batch 1. Ours is printed next to it — at the longest context where both
@@ -244,6 +248,13 @@ class Target:
         return self._executables[key]
 
 
+def read_rate(bytes_read: int, ms: float) -> float:
+    """GB/s of a step that reads ``bytes_read`` (weights + the whole cache: every slot is read
+    under a mask) in ``ms`` — a lower bound on the memory traffic, so against the device's
+    bandwidth it says how far a step is from its roofline (H200: 4.8 TB/s)."""
+    return bytes_read / (ms * 1e-3) / 1e9
+
+
 def _is_oom(err: Exception) -> bool:
     text = str(err)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
@@ -290,7 +301,9 @@ def measure(target: Target, batch: int, context: int, budget_bytes: float, b: Bu
             del cache
         done[batch] = {"status": "ok", "batch": batch, "cache_bytes": measured, "predicted": predicted,
                        "matches_accounting": measured == predicted["total"], "workspace_bytes": workspace,
-                       "ms_per_step": ms, "ms_per_token": ms / batch, "tokens_per_s": 1e3 * batch / ms}
+                       "ms_per_step": ms, "ms_per_token": ms / batch, "tokens_per_s": 1e3 * batch / ms,
+                       "bytes_read": target.weight_bytes + measured,
+                       "read_gb_per_s": read_rate(target.weight_bytes + measured, ms)}
         return dict(done[batch], cache_fit_batch=cache_fit, note="; ".join(notes))
     return {"status": "does not fit", "batch": 0, "cache_fit_batch": cache_fit, "note": "; ".join(notes)}
 
@@ -360,20 +373,32 @@ def speedups(rows: list[dict]) -> dict:
     batch1 compares ms per step; fill compares ms per token (step / batch) at each one's own
     batch. ``per_context[context][mode][pair]`` (None where either did not run), and
     ``headline[pair][mode]``: the value at the longest context where both ran.
+    ``bytes_per_context`` / ``bytes_headline``: the same pairs' ratio of bytes read per token
+    (weights + cache, divided by the batch) — the speedup both would show at one read rate, i.e.
+    at equal distance from the roofline (None for records without ``bytes_read``).
     """
     metric = {"batch1": "ms_per_step", "fill": "ms_per_token"}
-    per_context = {}
+    per_token_bytes = lambda r: r["bytes_read"] / r["batch"] if "bytes_read" in r else None  # noqa: E731
+    per_context, bytes_per_context = {}, {}
     for context in sorted({r["context"] for r in rows}):
         per_context[str(context)] = {mode: {} for mode in MODES}
+        bytes_per_context[str(context)] = {mode: {} for mode in MODES}
         for mode in MODES:
             for pair in PAIRS:
                 fast, slow = (_ok(rows, arch, context, mode) for arch in pair.split("_vs_"))
                 ratio = slow[metric[mode]] / fast[metric[mode]] if fast and slow else None
                 per_context[str(context)][mode][pair] = ratio
-    headline = {pair: {mode: next(({"context": int(c), "speedup": v[mode][pair]}
-                                   for c, v in reversed(per_context.items()) if v[mode][pair] is not None), None)
+                both = fast and slow and per_token_bytes(fast) and per_token_bytes(slow)
+                bytes_per_context[str(context)][mode][pair] = (per_token_bytes(slow) / per_token_bytes(fast)
+                                                               if both else None)
+
+    def headline_of(table):
+        return {pair: {mode: next(({"context": int(c), "speedup": v[mode][pair]}
+                                   for c, v in reversed(table.items()) if v[mode][pair] is not None), None)
                        for mode in MODES} for pair in PAIRS}
-    return {"per_context": per_context, "headline": headline}
+
+    return {"per_context": per_context, "headline": headline_of(per_context),
+            "bytes_per_context": bytes_per_context, "bytes_headline": headline_of(bytes_per_context)}
 
 
 # ----------------------------------------------------------------------------
@@ -446,16 +471,19 @@ def table(record: dict) -> str:
              if ok1 else "-"),
             f"{r1['workspace_bytes'] / r1['cache_bytes']:.2g}×" if ok1 else "-",
             f"{r1['ms_per_step']:.3g}" if ok1 else r1["status"],
+            f"{r1['read_gb_per_s']:.0f}" if ok1 and "read_gb_per_s" in r1 else "-",
             f"{rf['batch']} / {rf['cache_fit_batch']}" if okf else "-",
             f"{rf['ms_per_step']:.3g}" if okf else rf["status"],
             f"{rf['ms_per_token']:.3g}" if okf else "-",
+            f"{rf['read_gb_per_s']:.0f}" if okf and "read_gb_per_s" in rf else "-",
         ])
     title = (f"Decode scaling ({'quick' if record['quick'] else 'full'}: d {b['d_model']}, {b['num_heads']}×"
              f"{b['head_dim']}, {b['layers']} layers, {b['dtype']} caches; median of {b['steps']} steps; device memory "
              f"{C.fmt_bytes(record['device_memory_bytes'])} from {record['device_memory_source']}; "
              f"{record['device']['description']})")
     lines.append(C.format_table(["architecture", "context", "cache/seq", "measured vs accounting", "workspace/cache",
-                                 "B=1 ms/step", "fill B / cache-fit B", "fill ms/step", "fill ms/token"],
+                                 "B=1 ms/step", "B=1 GB/s read", "fill B / cache-fit B", "fill ms/step",
+                                 "fill ms/token", "fill GB/s read"],
                                 out_rows, title))
     notes = [f"  {r['label']} @ {C.fmt_tokens(r['context'])} {r['mode']}: {r['note']}" for r in rows if r.get("note")]
     if notes:
@@ -463,11 +491,15 @@ def table(record: dict) -> str:
     lines += ["", "Speedups at the longest context where both ran (batch 1: ms/step; fill: ms/token at each one's "
                   "own batch), next to Kimi Linear's reported hybrid-vs-MLA TPOT at 1M:"]
     sp_rows = []
+    by_bytes = record["speedups"].get("bytes_headline", {})
     for pair, name in PAIRS.items():
         cells = [_fmt_speedup(record["speedups"]["headline"][pair][mode]) for mode in MODES]
+        cells += [_fmt_speedup(by_bytes.get(pair, {}).get(mode)) for mode in MODES]
         reported = f"{KIMI_REPORTED['batch1']}× / {KIMI_REPORTED['fill']}×" if pair == "hybrid_vs_mla" else ""
         sp_rows.append([name, *cells, reported])
-    lines.append(C.format_table(["pair", "ours batch 1", "ours fill", "Kimi Linear (batch 1 / batched)"], sp_rows))
+    lines.append(C.format_table(["pair", "ours batch 1", "ours fill", "bytes read, batch 1", "bytes read, fill",
+                                 "Kimi Linear (batch 1 / batched)"], sp_rows))
+    lines.append("(bytes read: the ratio of bytes each must read per token — the speedup at equal read rates)")
     return "\n".join(lines)
 
 

@@ -53,6 +53,8 @@ def test_decode_scaling_structure_and_exact_bytes(decode_record):
         assert r["cache_bytes"] == r["predicted"]["total"] and r["matches_accounting"]
         assert r["batch"] == (1 if r["mode"] == "batch1" else 2)
         _finite(r["ms_per_step"], r["ms_per_token"], r["tokens_per_s"])
+        weights = rec["archs"][r["arch"]]["weight_bytes"]
+        assert r["read_gb_per_s"] == pytest.approx((weights + r["cache_bytes"]) / r["ms_per_step"] / 1e6)
     by = {(r["arch"], r["context"], r["mode"]): r for r in rec["rows"]}
     # The KV cache grows 4× with 4× the context; the KDA state does not grow at all.
     mha = by[("mha", 256, "batch1")]["predicted"]["growing"] / by[("mha", 64, "batch1")]["predicted"]["growing"]
@@ -63,7 +65,13 @@ def test_decode_scaling_structure_and_exact_bytes(decode_record):
     _finite(sp["batch1"]["hybrid_vs_mha"], sp["fill"]["kda_vs_mha"])
     assert sp["batch1"]["hybrid_vs_mla"] is None  # MLA was not run
     assert rec["speedups"]["headline"]["hybrid_vs_mha"]["fill"]["context"] == 256
-    assert "Kimi Linear" in DS.table(rec) and "exact" in DS.table(rec)
+    # The bytes-read ratio: per token, (weights + cache) / batch of the slower over the faster.
+    mha_r, kda_r = by[("mha", 256, "fill")], by[("kda", 256, "fill")]
+    want = (mha_r["bytes_read"] / mha_r["batch"]) / (kda_r["bytes_read"] / kda_r["batch"])
+    assert rec["speedups"]["bytes_per_context"]["256"]["fill"]["kda_vs_mha"] == pytest.approx(want)
+    assert rec["speedups"]["bytes_headline"]["kda_vs_mha"]["fill"] == {"context": 256, "speedup": pytest.approx(want)}
+    assert mha_r["bytes_read"] == rec["archs"]["mha"]["weight_bytes"] + mha_r["cache_bytes"]
+    assert "Kimi Linear" in DS.table(rec) and "exact" in DS.table(rec) and "GB/s read" in DS.table(rec)
 
 
 def test_decode_scaling_does_not_fit_is_recorded(tmp_path):
