@@ -42,14 +42,17 @@ one H200 with ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`` (Triton GEMM auto
 dominates these small models' compile time; with it off a run compiles ~3× faster and steps
 no slower, while ``--xla_gpu_autotune_level=0`` made steps ~2.5× slower): a step of the four
 copies takes 15-40 ms at d = 128 (GPT-2 15, DeltaNet 22, K3-style 24, KDA 40 ms), a run
-compiles in 20-40 s (hidden behind training); the 96-run grid takes ~25-35 minutes. Split it
-by ``--lengths`` into calls of ~7 minutes and join them with ``--merge``; the record is also
+compiles in 20-40 s (hidden behind training); the 96-run grid takes ~35-40 minutes of H200 time
+(measured 2026-11-30: ≈ 20 s per run at L = 256-512, plus ≈ 40 s of start-up per call). Split
+it by ``--lengths`` into calls of ~7 minutes and join them with ``--merge``; the record is also
 written after every run (``complete: false`` until the last), so a call stopped by a time
 limit keeps what it finished. What 600 steps buys (measured): DeltaNet solves (64, 4) within
 300 steps and (256, 16) within ~750; KDA reaches 51% on (64, 4) at 300 steps; GPT-2 with
 learned positions learns slowest (26% on (64, 4) after 1500 steps). So read the plot as
 "recall learned within a fixed, modest budget" — ease of optimization is part of what it
-shows; Zoology's "attention solves MQAR" is a statement at convergence.
+shows; Zoology's "attention solves MQAR" is a statement at convergence. At L = 256 and 512 the
+600-step budget is below every architecture's learning threshold (H200 grid, 2026-11-30: all
+≤ 0.02): pass ``--steps`` (e.g. 1500) for those lengths, as a record of its own.
 ``--quick`` (2 CPU cores, 2-3 minutes): GPT-2 and DeltaNet, (L, N) = (64, 4), d = 64,
 vocab 512, two learning rates, 150 steps of 4K tokens — a smoke run of the pipeline, not a
 result (though DeltaNet already recalls most pairs).
