@@ -52,11 +52,14 @@ def decode_ms_per_token(model: Decoder, vocab: int, context: int, tokens: int, b
     Through :func:`lineage_jax.models.inference_steps` (split once, ``jax.jit``, cache donated):
     timing through ``nnx.jit`` measured its per-call graph walk as well (on the CPU an unscanned
     4-layer hybrid with MoE timed 2.5× a scanned KDA stack that way, 1.6× this way: 3.99 / 1.58
-    -> 1.04 / 0.64 ms; the scorecard's first H200 decode column had this bias).
+    -> 1.04 / 0.64 ms; the scorecard's first H200 decode column had this bias). Timed on
+    ``model.unscanned()`` (per-layer caches, as served; since 2026-11-30 — the H200 columns
+    recorded before were timed scanned).
     """
     ctx = jax.random.randint(jax.random.key(seed), (batch, context), 2, vocab)
-    cache = model.init_cache(batch, context + tokens + 1)
-    state, prefill, step = inference_steps(model)
+    served = model.unscanned()
+    cache = served.init_cache(batch, context + tokens + 1)
+    state, prefill, step = inference_steps(served)
     _, cache = prefill(state, ctx, cache)
     tok = jnp.zeros((batch,), jnp.int32)
     logits, cache = step(state, tok, cache)  # compile

@@ -77,6 +77,47 @@ def test_tiny_k3_scans_macrocycles_and_matches_unrolled():
     assert rel(call(unrolled, tokens), call(scanned, tokens)) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_k3", "tiny_mla", "tiny_kda"])
+def test_unscanned_is_the_same_model_layer_by_layer(name):
+    """``Decoder.unscanned()``: every layer its own group, its parameters the scanned group's
+    slices (checked against a layer-by-layer copy), the same logits in forward, prefill and
+    decode, per-layer caches holding what the stacked caches hold; copies, not views."""
+    cfg = get_config(name)
+    scanned = Decoder(cfg, rngs=nnx.Rngs(0))
+    assert any(n >= 2 for _, _, n in scanned.groups_spec)
+    flat = scanned.unscanned()
+    assert flat.cfg == cfg.replace(scan_layers=False)
+    assert [g for g in flat.groups_spec] == [(i, 1, 1) for i in range(cfg.num_layers)]
+    for (first, p, n), group in zip(scanned.groups_spec, scanned.groups):
+        for r in range(n):
+            for j in range(p):
+                want = jax.tree.map(lambda a: a[r] if n > 1 else a, nnx.to_pure_dict(nnx.state(group))["blocks"][j])
+                got = nnx.to_pure_dict(nnx.state(flat.groups[first + r * p + j]))["blocks"][0]
+                jax.tree.map(np.testing.assert_array_equal, got, want)
+                axes = [v.get_metadata().get("logical_axes") for _, v in nnx.iter_graph(flat.groups[first + r * p + j])
+                        if isinstance(v, nnx.Variable)]
+                assert all(a is None or "layers" not in a for a in axes)  # no stacked axis left
+    tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, cfg.vocab_size)
+    assert rel(call(flat, tokens), call(scanned, tokens)) <= 1e-5
+    caches = [m.init_cache(2, 12) for m in (scanned, flat)]
+    for m_i, m in enumerate((scanned, flat)):
+        _, caches[m_i] = prefill(m, tokens[:, :6], caches[m_i])
+    for t in range(6, 10):
+        ls, caches[0] = decode(scanned, tokens[:, t], caches[0])
+        lf, caches[1] = decode(flat, tokens[:, t], caches[1])
+        assert rel(lf, ls) <= 1e-5, (name, t)
+    # The stacked caches, sliced per layer, are the per-layer caches.
+    stacked, per_layer = caches[0].layers, caches[1].layers
+    for g, (first, p, n) in enumerate(scanned.groups_spec):
+        for r in range(n):
+            for j in range(p):
+                want = jax.tree.map(lambda a: a[r] if n > 1 else a, stacked[g][j])
+                jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                             per_layer[first + r * p + j][0], want)
+    flat.embed[...] = flat.embed[...] + 1.0  # a copy: the scanned model is untouched
+    assert not np.allclose(flat.embed[...], scanned.embed[...])
+
+
 def test_stacked_layers_are_independently_initialised():
     model = Decoder(get_config("tiny_k3"), rngs=nnx.Rngs(0))
     group = next(g for (_, _, n), g in zip(model.groups_spec, model.groups) if n > 1)
