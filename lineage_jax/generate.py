@@ -126,7 +126,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         model, train_cfg = load(args.workdir)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
-    model = model.unscanned()  # serve with one cache buffer per layer (Decoder.unscanned)
+    model = model.unscanned()  # one cache buffer per layer (Decoder.unscanned; compiles layer by layer)
     tok = get_tokenizer(train_cfg.tokenizer)
     prompt = tok.encode(args.prompt)
     printed = [0]

@@ -28,4 +28,4 @@ def test_three_reads_agree_and_are_reported(tmp_path, capsys):
     assert json.loads((tmp_path / "kv_read.json").read_text())["rows"] == rows
     assert "heads_major" in capsys.readouterr().out
     with pytest.raises(ValueError, match="context"):
-        probe.run(64, 4, 16, 1, "float32", 2)
+        probe.run(5, 4, 16, 1, "float32", 2)  # 2 timed + 3 warm-up writes need 6 slots

@@ -396,18 +396,21 @@ class Decoder(nnx.Module):
         the CPU, 222 → 140 ms per step unscanned). Train scanned (one macrocycle to compile),
         decode unscanned: this returns a new model whose layer ``first + r·p + j`` holds slice
         ``r`` of the scanned group's block ``j``; its outputs and caches' contents are the
-        same (caches are per layer instead of stacked). Parameters are copied, not shared.
+        same up to float rounding (caches are per layer instead of stacked). Every array is
+        copied, none shared (so donating one model's state leaves the other intact): while
+        both models live the weights take twice the memory, and the unscanned model compiles
+        layer by layer. Arrays keep their placement; on a mesh, re-shard with the rules.
         """
         cfg = dataclasses.replace(self.cfg, scan_layers=False)
         target = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
         src = nnx.to_pure_dict(nnx.state(self))
-        dst = {k: v for k, v in src.items() if k != "groups"}
+        dst = {k: jax.tree.map(jnp.copy, v) for k, v in src.items() if k != "groups"}
         groups = {}
         for g, (first, p, n) in enumerate(self.groups_spec):
             blocks = src["groups"][g]["blocks"]
             for r in range(n):
                 for j in range(p):
-                    block = blocks[j] if n == 1 else jax.tree.map(lambda a, r=r: a[r], blocks[j])
+                    block = jax.tree.map(jnp.copy if n == 1 else (lambda a, r=r: a[r]), blocks[j])
                     groups[first + r * p + j] = {"blocks": {0: block}}
         dst["groups"] = groups
         state = nnx.state(target)
