@@ -16,8 +16,11 @@ transpose the whole K and V into new buffers every step. This times, on one laye
 
 Each row: median ms per step (cache donated, ``steps`` after 3 warm-up steps), the bytes a step
 must read (K + V), the read rate in GB/s, and the compiled step's temporaries (XLA memory
-analysis) against the cache. On XLA:CPU (2026-11-30, float32, 64K slots) the reduce form was
-15x slower and heads-major 10x faster in isolation: the CPU does not answer the GPU question.
+analysis) against the cache. On the 2-core CPU (2026-11-30, this script at commit 78d0e1a's tree,
+``--context 65536 --heads 4 --head-dim 64 --steps 5``): float32 library 51 ms, heads_major 116 ms,
+reduce 469 ms; bfloat16 69 / 86 / 492 ms — the library's read is fastest there, while the bare
+per-head products alone were ~10x faster heads-major (a scratch einsum timing). XLA:CPU does not
+answer the GPU question.
 """
 
 from __future__ import annotations
@@ -79,7 +82,15 @@ def _cache(kind: str, B: int, L: int, H: int, D: int, dtype, writes: int):
 FORMS = {"library": _library, "heads_major": _heads_major, "reduce": _reduce}
 
 
+DTYPES = ("bfloat16", "float16", "float32")
+
+
 def run(context: int, heads: int, head_dim: int, batch: int, dtype: str, steps: int) -> list[dict]:
+    for name, val in (("context", context), ("heads", heads), ("head_dim", head_dim), ("batch", batch)):
+        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{name}: must be a positive int, got {val!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
     dt = jnp.dtype(dtype)
     if steps < 1 or context <= steps + 3:
         raise ValueError(f"steps / context: need steps >= 1 and context > steps + 3 (warm-up), "
@@ -123,7 +134,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", default=None, help="also write the rows to OUT/kv_read.json (launch/device_jobs.sh "
                                                 "passes --out $RESULTS)")
     a = p.parse_args(argv)
-    rows = run(a.context, a.heads, a.head_dim, a.batch, a.dtype, a.steps)
+    try:
+        rows = run(a.context, a.heads, a.head_dim, a.batch, a.dtype, a.steps)
+    except ValueError as err:
+        p.error(str(err))
     print(f"KV read, one layer: B={a.batch}, L={a.context}, H={a.heads}, D={a.head_dim}, {a.dtype}; {jax.devices()[0]}")
     print(f"{'form':12s} {'ms/step':>9s} {'GB/s read':>10s} {'temp/cache':>11s} {'max|diff|':>10s}")
     for r in rows:

@@ -29,3 +29,7 @@ def test_three_reads_agree_and_are_reported(tmp_path, capsys):
     assert "heads_major" in capsys.readouterr().out
     with pytest.raises(ValueError, match="context"):
         probe.run(5, 4, 16, 1, "float32", 2)  # 2 timed + 3 warm-up writes need 6 slots
+    with pytest.raises(ValueError, match="^heads:"):
+        probe.run(64, 0, 16, 1, "float32", 2)
+    with pytest.raises(ValueError, match="^dtype:"):
+        probe.run(64, 4, 16, 1, "int8", 2)
