@@ -1,26 +1,31 @@
-"""How fast does one decode step read a KV cache? Three ways to read the same cache, timed.
+"""How fast does one decode step read a KV cache? The ways to read the same cache, timed.
 
     python launch/probe_kv_read.py [--context 1048576] [--heads 16] [--head-dim 128]
-        [--batch 1] [--dtype bfloat16] [--steps 20] [--out DIR]    # DIR/kv_read.json
+        [--batch 1] [--dtype bfloat16] [--steps 20] [--mla-rank 512] [--mla-rope 64]
+        [--out DIR]    # DIR/kv_read.json
 
 A question for the device, not an experiment: ``experiments.decode_scaling`` found MHA's decode
 step at 1M tokens reading its cache at ~7% of the H200's bandwidth (docs/results.md, "How far
-from the roofline"). One suspect: the library's cache is ``[B, L, Hkv, D]`` and a decode step is
-a product per ``(b, h)`` — batch dims that are not the cache's leading dims — so XLA may
-transpose the whole K and V into new buffers every step. This times, on one layer's cache:
+from the roofline"). The library's cache is ``[B, L, Hkv, D]`` and a decode step is a product
+per ``(b, h)`` — batch dims that are not the cache's leading dims. This times, on one layer:
 
-* ``library``: ``memory.softmax_attention_step`` (``[B, L, H, D]``, write then read, einsum);
+* ``dot``: ``memory.softmax_attention_step(..., read="dot")`` (einsum / ``dot_general``);
 * ``heads_major``: the same math on a ``[B, H, L, D]`` cache (the per-head products need no
   transpose);
-* ``reduce``: the ``[B, L, H, D]`` cache read by multiply-and-reduce fusions (no ``dot_general``).
+* ``reduce``: ``read="reduce"``, the ``[B, L, H, D]`` cache read by multiply-and-reduce fusions;
+* ``mla_dot`` / ``mla_reduce``: MLA's absorbed read of a ``[B, L, C]`` latent + ``[B, L, R]``
+  rope-key cache (``layers.mla.MLA.decode``), by ``memory.cache_read`` in each form.
 
 Each row: median ms per step (cache donated, ``steps`` after 3 warm-up steps), the bytes a step
-must read (K + V), the read rate in GB/s, and the compiled step's temporaries (XLA memory
-analysis) against the cache. On the 2-core CPU (2026-11-30, this script at commit 78d0e1a's tree,
-``--context 65536 --heads 4 --head-dim 64 --steps 5``): float32 library 51 ms, heads_major 116 ms,
-reduce 469 ms; bfloat16 69 / 86 / 492 ms — the library's read is fastest there, while the bare
-per-head products alone were ~10x faster heads-major (a scratch einsum timing). XLA:CPU does not
-answer the GPU question.
+must read, the read rate in GB/s, the compiled step's temporaries (XLA memory analysis) against
+the cache, and the first step's largest difference from the family's ``dot`` row.
+
+Measured (2026-11-30, H200, jax 0.11.2, defaults, commit 9e53759, forms then named library /
+heads_major / reduce): 19.35 / 12.23 / 2.40 ms, i.e. 444 / 702 / 3576 GB/s; the einsum forms
+held a temporary as large as the cache (XLA:GPU copied K and V every step), the reduce form
+0.01x. That is why ``read="auto"`` means ``"reduce"`` on GPUs. On the 2-core CPU
+(``--context 65536 --heads 4 --head-dim 64 --steps 5``): float32 dot 51 ms, heads_major 116,
+reduce 469 — the reverse, hence ``"dot"`` on CPUs.
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ import numpy as np
 from lineage_jax import memory
 
 
-def _library(q, k_t, v_t, cache):
-    o, cache = memory.softmax_attention_step(q, k_t, v_t, cache)
-    return o, cache
+def _dot(q, k_t, v_t, cache):
+    return memory.softmax_attention_step(q, k_t, v_t, cache, read="dot")
+
+
+def _reduce(q, k_t, v_t, cache):
+    return memory.softmax_attention_step(q, k_t, v_t, cache, read="reduce")
 
 
 def _heads_major(q, k_t, v_t, cache):
@@ -56,37 +64,46 @@ def _heads_major(q, k_t, v_t, cache):
     return o, (k, v, length + 1)
 
 
-def _reduce(q, k_t, v_t, cache):
-    """The library's ``[B, L, H, D]`` cache, read by multiply-and-reduce (no dot_general)."""
-    k, v, length = cache.k, cache.v, cache.length
-    B, L, H, D = k.shape
-    rows = jnp.arange(B)
-    k = k.at[rows, length].set(k_t.astype(k.dtype))
-    v = v.at[rows, length].set(v_t.astype(v.dtype))
-    qs = (q * D ** -0.5).astype(k.dtype).astype(jnp.float32)
-    s = jnp.sum(qs[:, None] * k.astype(jnp.float32), axis=-1)  # [B, L, H]
-    s = jnp.where(jnp.arange(L)[None, :, None] <= length[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=1).astype(v.dtype).astype(jnp.float32)
-    o = jnp.sum(p[..., None] * v.astype(jnp.float32), axis=1)  # [B, H, D]
-    return o, memory.KVCache(k, v, length + 1)
+def _mla(read):
+    """MLA's absorbed decode read (``layers.mla.MLA.decode``): ``cache = (latent [B, L, C],
+    k_rope [B, L, R], length)``; ``q [B, H, C + R]`` is the absorbed latent query and the rope
+    query, ``k_t [B, 1, C + R]`` the new token's latent and rope key (``v_t`` unused)."""
+    def step(q, k_t, v_t, cache):
+        latent, k_rope, length = cache
+        B, L, C = latent.shape
+        R = k_rope.shape[-1]
+        rows = jnp.arange(B)
+        latent = latent.at[rows, length].set(k_t[:, 0, :C].astype(latent.dtype))
+        k_rope = k_rope.at[rows, length].set(k_t[:, 0, C:C + R].astype(k_rope.dtype))
+        s = (memory.cache_read("bhc,blc->bhl", q[..., :C], latent, read=read)
+             + memory.cache_read("bhr,blr->bhl", q[..., C:C + R], k_rope, read=read)) * (C + R) ** -0.5
+        s = jnp.where(jnp.arange(L)[None, None] <= length[:, None, None], s, -jnp.inf)
+        o = memory.cache_read("bhl,blc->bhc", jax.nn.softmax(s, axis=-1), latent, read=read)
+        return o, (latent, k_rope, length + 1)
+    return step
 
 
-def _cache(kind: str, B: int, L: int, H: int, D: int, dtype, writes: int):
+def _cache(kind: str, B: int, L: int, H: int, D: int, dtype, writes: int, mla=(512, 64)):
     length = jnp.full((B,), L - writes, jnp.int32)  # the last timed step fills the last slot
+    if kind.startswith("mla"):
+        return (jnp.zeros((B, L, mla[0]), dtype), jnp.zeros((B, L, mla[1]), dtype), length)
     if kind == "heads_major":
         z = jnp.zeros((B, H, L, D), dtype)
         return (z, jnp.zeros_like(z), length)
     return memory.KVCache(jnp.zeros((B, L, H, D), dtype), jnp.zeros((B, L, H, D), dtype), length)
 
 
-FORMS = {"library": _library, "heads_major": _heads_major, "reduce": _reduce}
+FORMS = {"dot": _dot, "heads_major": _heads_major, "reduce": _reduce,
+         "mla_dot": _mla("dot"), "mla_reduce": _mla("reduce")}
 
 
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def run(context: int, heads: int, head_dim: int, batch: int, dtype: str, steps: int) -> list[dict]:
-    for name, val in (("context", context), ("heads", heads), ("head_dim", head_dim), ("batch", batch)):
+def run(context: int, heads: int, head_dim: int, batch: int, dtype: str, steps: int,
+        mla_rank: int = 512, mla_rope: int = 64) -> list[dict]:
+    for name, val in (("context", context), ("heads", heads), ("head_dim", head_dim), ("batch", batch),
+                      ("mla_rank", mla_rank), ("mla_rope", mla_rope)):
         if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
             raise ValueError(f"{name}: must be a positive int, got {val!r}")
     if dtype not in DTYPES:
@@ -95,30 +112,35 @@ def run(context: int, heads: int, head_dim: int, batch: int, dtype: str, steps: 
     if steps < 1 or context <= steps + 3:
         raise ValueError(f"steps / context: need steps >= 1 and context > steps + 3 (warm-up), "
                          f"got {steps} / {context}")
-    key = jax.random.key(0)
-    q, k_t, v_t = (jax.random.normal(k, (batch, heads, head_dim), jnp.float32) for k in jax.random.split(key, 3))
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(0), 5)
+    mha_in = tuple(jax.random.normal(k, (batch, heads, head_dim), jnp.float32) for k in (k1, k2, k3))
+    mla_in = (jax.random.normal(k4, (batch, heads, mla_rank + mla_rope), jnp.float32),
+              jax.random.normal(k5, (batch, 1, mla_rank + mla_rope), jnp.float32), mha_in[2])
     out = []
-    ref = None
+    refs = {}
     for name, fn in FORMS.items():
-        cache = _cache(name, batch, context, heads, head_dim, dt, writes=3 + steps)
+        family = "mla" if name.startswith("mla") else "mha"
+        args = mla_in if family == "mla" else mha_in
+        cache = _cache(name, batch, context, heads, head_dim, dt, writes=3 + steps, mla=(mla_rank, mla_rope))
         step = jax.jit(fn, donate_argnums=3)
-        compiled = step.lower(q, k_t, v_t, cache).compile()
+        compiled = step.lower(*args, cache).compile()
         mem = compiled.memory_analysis()
         temp = None if mem is None else int(mem.temp_size_in_bytes)
         times = []
         for i in range(3 + steps):
             t0 = time.perf_counter()
-            o, cache = compiled(q, k_t, v_t, cache)
+            o, cache = compiled(*args, cache)
             jax.block_until_ready(o)
             if i == 0:
                 first = np.asarray(o, np.float32)
             if i >= 3:
                 times.append(time.perf_counter() - t0)
         ms = 1e3 * float(np.median(times))
-        read = 2 * batch * context * heads * head_dim * dt.itemsize
-        ref = first if ref is None else ref
+        per_token = (mla_rank + mla_rope) if family == "mla" else 2 * heads * head_dim
+        read = batch * context * per_token * dt.itemsize
+        ref = refs.setdefault(family, first)
         out.append({"form": name, "ms_per_step": ms, "bytes_read": read, "read_gb_per_s": read / ms / 1e6,
-                    "temp_bytes": temp, "max_abs_diff_vs_library": float(np.max(np.abs(first - ref)))})
+                    "temp_bytes": temp, "max_abs_diff_vs_dot": float(np.max(np.abs(first - ref)))})
         del cache
     return out
 
@@ -131,11 +153,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--mla-rank", type=int, default=512, help="MLA latent width C (the mla_* rows)")
+    p.add_argument("--mla-rope", type=int, default=64, help="MLA rope key width R (the mla_* rows)")
     p.add_argument("--out", default=None, help="also write the rows to OUT/kv_read.json (launch/device_jobs.sh "
                                                 "passes --out $RESULTS)")
     a = p.parse_args(argv)
     try:
-        rows = run(a.context, a.heads, a.head_dim, a.batch, a.dtype, a.steps)
+        rows = run(a.context, a.heads, a.head_dim, a.batch, a.dtype, a.steps, a.mla_rank, a.mla_rope)
     except ValueError as err:
         p.error(str(err))
     print(f"KV read, one layer: B={a.batch}, L={a.context}, H={a.heads}, D={a.head_dim}, {a.dtype}; {jax.devices()[0]}")
@@ -143,7 +167,7 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         temp = "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / r['bytes_read']:.2f}x"
         print(f"{r['form']:12s} {r['ms_per_step']:9.3f} {r['read_gb_per_s']:10.0f} {temp:>11s} "
-              f"{r['max_abs_diff_vs_library']:10.2e}")
+              f"{r['max_abs_diff_vs_dot']:10.2e}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "kv_read.json"), "w") as f:

@@ -1,4 +1,4 @@
-"""launch/probe_kv_read.py: the three cache reads agree and every row is reported (tiny, CPU)."""
+"""launch/probe_kv_read.py: the cache reads agree and every row is reported (tiny, CPU)."""
 
 import importlib.util
 import json
@@ -19,12 +19,13 @@ def _module():
 def test_three_reads_agree_and_are_reported(tmp_path, capsys):
     probe = _module()
     rows = probe.main(["--context", "512", "--heads", "4", "--head-dim", "16", "--batch", "2", "--steps", "2",
-                       "--dtype", "float32", "--out", str(tmp_path)])
-    assert [r["form"] for r in rows] == ["library", "heads_major", "reduce"]
+                       "--dtype", "float32", "--mla-rank", "16", "--mla-rope", "8", "--out", str(tmp_path)])
+    assert [r["form"] for r in rows] == ["dot", "heads_major", "reduce", "mla_dot", "mla_reduce"]
     for r in rows:
         assert r["ms_per_step"] > 0 and r["read_gb_per_s"] > 0
-        assert r["bytes_read"] == 2 * 2 * 512 * 4 * 16 * 4
-        assert r["max_abs_diff_vs_library"] < 1e-5  # the same first step's output from every form
+        per_token = 24 if r["form"].startswith("mla") else 2 * 4 * 16  # --mla-rank 16 + --mla-rope 8
+        assert r["bytes_read"] == 2 * 512 * per_token * 4
+        assert r["max_abs_diff_vs_dot"] < 1e-5  # the same first step's output from every form of a family
     assert json.loads((tmp_path / "kv_read.json").read_text())["rows"] == rows
     assert "heads_major" in capsys.readouterr().out
     with pytest.raises(ValueError, match="context"):
@@ -33,3 +34,5 @@ def test_three_reads_agree_and_are_reported(tmp_path, capsys):
         probe.run(64, 0, 16, 1, "float32", 2)
     with pytest.raises(ValueError, match="^dtype:"):
         probe.run(64, 4, 16, 1, "int8", 2)
+    with pytest.raises(ValueError, match="^mla_rank:"):
+        probe.run(64, 4, 16, 1, "float32", 2, mla_rank=0)

@@ -37,7 +37,8 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, *, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
                  use_bias: bool = False, rngs: nnx.Rngs, out_std: Optional[float] = None, std: Optional[float] = None,
-                 rope_theta: Optional[float] = None):
+                 rope_theta: Optional[float] = None, decode_read: str = "auto"):
+        memory.resolve_read("Attention", decode_read, "decode_read")  # checked here, resolved when traced
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, val in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
             if val <= 0:
@@ -52,6 +53,7 @@ class Attention(nnx.Module):
                 raise ValueError(f"Attention: `rope_theta` must be a positive finite number or None, got {rope_theta!r}")
         self.d_model, self.num_heads, self.head_dim, self.num_kv_heads = d_model, num_heads, head_dim, num_kv_heads
         self.rope_theta = None if rope_theta is None else float(rope_theta)
+        self.decode_read = decode_read  # how decode reads the cache: memory.softmax_attention_step's `read`
         self.q = Dense(d_model, (num_heads, head_dim), axes=("embed", "heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)
         self.k = Dense(d_model, (num_kv_heads, head_dim), axes=("embed", "kv_heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)
         self.v = Dense(d_model, (num_kv_heads, head_dim), axes=("embed", "kv_heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)
@@ -90,5 +92,5 @@ class Attention(nnx.Module):
     def decode(self, x_t: Array, cache: memory.KVCache):
         _check_x("Attention.decode", x_t, 2, self.d_model)
         q, k = self._qk(x_t, cache.length)
-        o, cache = memory.softmax_attention_step(q, k, self.v(x_t), cache)
+        o, cache = memory.softmax_attention_step(q, k, self.v(x_t), cache, read=self.decode_read)
         return self._out(o), cache

@@ -42,12 +42,14 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
 from lineage_jax.layers.common import Dense, RMSNorm, apply_rope, normal, param  # apply_rope: re-exported
 from lineage_jax.memory import _validate as V
 from lineage_jax.memory.segments import document_index
+from lineage_jax.memory.softmax import cache_read, resolve_read
 
 Array = jax.Array
 
@@ -55,15 +57,6 @@ Array = jax.Array
 def _einsum(spec: str, *operands: Array) -> Array:
     """Attention-internal einsum at full float32 precision (no TF32 / bf16 passes)."""
     return jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST)
-
-
-def _read(spec: str, x: Array, cached: Array) -> Array:
-    """``einsum(spec, x, cached)`` with ``cached`` (a decode cache) in its stored dtype: ``x`` is
-    rounded to it, products accumulate in float32 (float64 for a float64 cache)."""
-    acc = jnp.result_type(jnp.float32, cached)
-    # HIGHEST keeps float32 caches exact (no TF32); bf16 products are exact in float32 anyway.
-    precision = lax.Precision.HIGHEST if cached.dtype.itemsize >= 4 else lax.Precision.DEFAULT
-    return jnp.einsum(spec, x.astype(cached.dtype), cached, precision=precision, preferred_element_type=acc)
 
 
 def mla_cache_values_per_token(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
@@ -115,7 +108,8 @@ class MLA(nnx.Module):
     def __init__(self, d_model: int, *, num_heads: int, q_lora_rank: Optional[int] = None,
                  kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                  use_rope: bool = False, rope_theta: float = 10000.0, output_gate: bool = False,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, decode_read: str = "auto"):
+        resolve_read("MLA", decode_read, "decode_read")  # checked here, resolved when traced
         dims = {"d_model": d_model, "num_heads": num_heads, "kv_lora_rank": kv_lora_rank,
                 "qk_nope_head_dim": qk_nope_head_dim, "qk_rope_head_dim": qk_rope_head_dim,
                 "v_head_dim": v_head_dim}
@@ -135,6 +129,7 @@ class MLA(nnx.Module):
         self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim = kv_lora_rank, n, r, dv
         self.use_rope, self.rope_theta = bool(use_rope), float(rope_theta)
         self.scale = float(n + r) ** -0.5
+        self.decode_read = decode_read  # how decode reads the latent cache: memory.cache_read's `read`
 
         if q_lora_rank is None:
             self.wq = Dense(d_model, (H, n + r), axes=("embed", "heads", "head_dim"), rngs=rngs)
@@ -246,8 +241,8 @@ class MLA(nnx.Module):
         self._check_cache(fn, cache, B)
         V.check_segment_ids(fn, segment_ids, B, T)
         L = cache.capacity
-        if V.is_concrete(cache.length) and int(jnp.max(cache.length)) + T > L:
-            raise ValueError(f"{fn}: `cache` has room for {L} tokens; {int(jnp.max(cache.length))} are filled "
+        if V.is_concrete(cache.length) and int(np.max(jax.device_get(cache.length))) + T > L:
+            raise ValueError(f"{fn}: `cache` has room for {L} tokens; {int(np.max(jax.device_get(cache.length)))} are filled "
                              f"and {T} more do not fit — allocate a larger max_len")
         positions = cache.length[:, None] + jnp.arange(T)                        # [B, T]
         rows = jnp.arange(B)[:, None]
@@ -282,7 +277,7 @@ class MLA(nnx.Module):
         B = V.shape_of(x_t)[0]
         self._check_cache(fn, cache, B)
         L = cache.capacity
-        if V.is_concrete(cache.length) and int(jnp.max(cache.length)) >= L:
+        if V.is_concrete(cache.length) and int(np.max(jax.device_get(cache.length))) >= L:
             raise ValueError(f"{fn}: `cache` is full (capacity {L}); allocate a larger max_len")
         pos = cache.length                                                       # [B]
         rows = jnp.arange(B)
@@ -298,10 +293,10 @@ class MLA(nnx.Module):
         # float32 (the policy of ``memory.softmax``'s ``_attend``).
         f32 = jnp.float32
         q_lat = _einsum("bhn,chn->bhc", q_nope.astype(f32), self.wk_up.kernel[...].astype(f32))
-        s = (_read("bhc,blc->bhl", q_lat, latent)
-             + _read("bhr,blr->bhl", q_rope, k_rope_all)) * self.scale
+        s = (cache_read("bhc,blc->bhl", q_lat, latent, read=self.decode_read)
+             + cache_read("bhr,blr->bhl", q_rope, k_rope_all, read=self.decode_read)) * self.scale
         visible = jnp.arange(L)[None, None, :] <= pos[:, None, None]            # [B, 1, L]
         p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
-        o_lat = _read("bhl,blc->bhc", p, latent)
+        o_lat = cache_read("bhl,blc->bhc", p, latent, read=self.decode_read)
         o = _einsum("bhc,chv->bhv", o_lat, self.wv_up.kernel[...].astype(f32))
         return self._output(o, x_t), MLACache(latent, k_rope_all, pos + 1)

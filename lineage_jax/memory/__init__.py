@@ -22,15 +22,18 @@ from lineage_jax.memory.rules import (
 )
 from lineage_jax.memory.softmax import (
     KVCache,
+    cache_read,
     init_kv_cache,
     kv_cache_from_prefill,
     softmax_attention,
     softmax_attention_extend,
+    resolve_read,
     softmax_attention_step,
 )
 
 __all__ = [
     "KVCache",
+    "cache_read",
     "delta_corrections",
     "delta_rule",
     "delta_rule_step",
@@ -42,6 +45,7 @@ __all__ = [
     "kv_cache_from_prefill",
     "linear_attention",
     "linear_attention_step",
+    "resolve_read",
     "softmax_attention",
     "softmax_attention_extend",
     "softmax_attention_step",

@@ -21,7 +21,7 @@ def make(kind, **kw):
 
 CASES = [("softmax", {}), ("linear", {}), ("deltanet", {}), ("deltanet", {"conv_size": 0}), ("gdn", {}),
          ("kda", {}), ("kda", {"kda_gate": "bounded", "output_gate": "full"}), ("kda", {"gate_rank": 3}),
-         ("softmax", {"rope_theta": 100.0})]
+         ("softmax", {"decode_read": "reduce"}), ("softmax", {"rope_theta": 100.0})]
 
 
 call = nnx.jit(lambda m, x: m(x))
@@ -211,3 +211,8 @@ def test_fresh_kda_gate_can_learn(gate):
     per_channel = jnp.abs(jax.vmap(jax.grad(lambda s, i: g_of(s).reshape(-1)[i]), (None, 0))(0.0, jnp.arange(64)))
     assert float(slope) > 1e-2
     assert float(jnp.median(per_channel)) > 1e-3
+
+
+def test_attention_decode_read_is_checked():
+    with pytest.raises(ValueError, match="decode_read"):
+        make("softmax", decode_read="einsum")

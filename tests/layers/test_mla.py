@@ -27,10 +27,10 @@ prefill = nnx.jit(lambda m, x, cache, seg=None: m.prefill(x, cache, segment_ids=
 decode = nnx.jit(lambda m, x_t, cache: m.decode(x_t, cache))
 
 
-def _model(use_rope=False, q_lora=None, gate=False, seed=0):
+def _model(use_rope=False, q_lora=None, gate=False, seed=0, decode_read="auto"):
     return MLA(D, num_heads=H, q_lora_rank=q_lora, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE,
                qk_rope_head_dim=ROPE, v_head_dim=VDIM, use_rope=use_rope, output_gate=gate,
-               rngs=nnx.Rngs(seed))
+               rngs=nnx.Rngs(seed), decode_read=decode_read)
 
 
 def _x(seed, B=2, T=11):
@@ -58,8 +58,9 @@ def test_prefill_then_absorbed_decode_equals_full(cfg):
         np.testing.assert_array_equal(cache.length, [T, T])
 
 
-def test_rows_with_different_cache_lengths():
-    model = _model(use_rope=True, q_lora=Q_LORA)
+@pytest.mark.parametrize("read", ["dot", "reduce"])
+def test_rows_with_different_cache_lengths(read):
+    model = _model(use_rope=True, q_lora=Q_LORA, decode_read=read)
     x = _x(2)
     caches = [prefill(model, x[b:b + 1, :p], model.init_cache(1, 16))[1] for b, p in ((0, 3), (1, 6))]
     cache = jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
@@ -253,7 +254,7 @@ def test_decode_reads_a_bf16_cache_without_a_float32_copy():
     no float32 tensor of the cache's shape. (An H200 run at 1M tokens found the step's workspace
     at 1.5x its cache; a float32 copy of the latent cache was one cause. XLA:CPU upcasts bf16
     dots itself, so the check is on the program JAX emits, not on CPU memory.)"""
-    model = _model(use_rope=True)
+    model = _model(use_rope=True, decode_read="dot")  # "reduce" converts inside its fusion (by design)
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda st, x_t, c: nnx.merge(graphdef, st).decode(x_t, c), donate_argnums=2)
     L = 4096
@@ -262,3 +263,22 @@ def test_decode_reads_a_bf16_cache_without_a_float32_copy():
     assert f"tensor<2x{L}x{KV_LORA}xbf16>" in text  # the check looks at the right shapes
     for width in (KV_LORA, ROPE):
         assert f"tensor<2x{L}x{width}xf32>" not in text, f"a float32 copy of a [2, {L}, {width}] cache leaf"
+
+
+def test_decode_reads_agree_on_a_bf16_cache_and_are_checked():
+    """``decode_read="reduce"`` (multiply-and-reduce) and ``"dot"`` (einsum) decode the same tokens."""
+    x = _x(5).astype(jnp.bfloat16)
+    outs = []
+    for read in ("dot", "reduce"):
+        model = _model(use_rope=True, gate=True, decode_read=read)
+        y, cache = prefill(model, x[:, :5], model.init_cache(2, 16, dtype=jnp.bfloat16))
+        ys = []
+        for t in range(5, 8):
+            y_t, cache = decode(model, x[:, t], cache)
+            ys.append(y_t)
+        outs.append((np.asarray(jnp.stack(ys), np.float32), cache))
+    (y_d, c_d), (y_r, c_r) = outs
+    np.testing.assert_allclose(y_r, y_d, rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(np.asarray(c_r.latent, np.float32), np.asarray(c_d.latent, np.float32))
+    with pytest.raises(ValueError, match="decode_read"):
+        _model(decode_read="fast")

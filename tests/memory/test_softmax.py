@@ -50,6 +50,61 @@ def test_prefill_then_decode_equals_full_sequence():
     assert np.all(np.asarray(cache.length) == 17)
 
 
+@pytest.mark.parametrize("Hk", [4, 2, 1])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_reads_agree_and_match_the_full_sequence(Hk, dtype):
+    """``read="dot"`` and ``read="reduce"``: same outputs, same caches, every gradient, ragged rows."""
+    q, k, v = (jnp.asarray(a) for a in _qkv(6, T=13, Hk=Hk))
+    P = np.array([5, 9])  # rows prefilled to different lengths
+    cache = M.init_kv_cache(2, 16, Hk, 8, v_head_dim=6, dtype=dtype)
+    for t in range(int(P.max())):  # fill row b with its first P[b] tokens
+        stepped = M.softmax_attention_step(q[:, t], k[:, t], v[:, t], cache, read="dot")[1]
+        keep = (t < P)[:, None, None, None]
+        cache = M.KVCache(jnp.where(keep, stepped.k, cache.k), jnp.where(keep, stepped.v, cache.v),
+                          jnp.where(t < P, stepped.length, cache.length))
+    rows = np.arange(2)
+    args = (q[rows, P], k[rows, P], v[rows, P])
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    outs = {r: jax.jit(lambda *a, r=r: M.softmax_attention_step(*a, cache, read=r))(*args) for r in ("dot", "reduce")}
+    for r, (o, c) in outs.items():
+        for b in rows:  # each row equals the full sequence cut at its own length
+            kb = jnp.concatenate([k[b:b + 1, :P[b]], k[b:b + 1, P[b]:P[b] + 1]], 1).astype(dtype)
+            vb = jnp.concatenate([v[b:b + 1, :P[b]], v[b:b + 1, P[b]:P[b] + 1]], 1).astype(dtype)
+            want = naive.softmax_attention(np.asarray(q[b:b + 1, :P[b] + 1]), np.asarray(kb, np.float32),
+                                           np.asarray(vb, np.float32))[:, -1]
+            np.testing.assert_allclose(np.asarray(o[b:b + 1], np.float32), want, **tol, err_msg=r)
+        np.testing.assert_array_equal(c.length, P + 1)
+    (o_d, c_d), (o_r, c_r) = outs["dot"], outs["reduce"]
+    np.testing.assert_allclose(np.asarray(o_r, np.float32), np.asarray(o_d, np.float32), **tol)
+    np.testing.assert_array_equal(np.asarray(c_r.k, np.float32), np.asarray(c_d.k, np.float32))
+    np.testing.assert_array_equal(np.asarray(c_r.v, np.float32), np.asarray(c_d.v, np.float32))
+
+    w = jnp.asarray(np.random.default_rng(7).normal(size=o_d.shape), jnp.float32)
+
+    def loss(read, q_t, k_t, v_t, ck, cv):
+        o, c = M.softmax_attention_step(q_t, k_t, v_t, M.KVCache(ck, cv, cache.length), read=read)
+        return jnp.sum(o.astype(jnp.float32) * w) + jnp.sum(c.k.astype(jnp.float32) ** 2)
+
+    grads = {r: jax.grad(lambda *a, r=r: loss(r, *a), argnums=range(5))(*args, cache.k, cache.v) for r in ("dot", "reduce")}
+    for name, gd, gr in zip(("q_t", "k_t", "v_t", "cache.k", "cache.v"), grads["dot"], grads["reduce"]):
+        assert np.all(np.isfinite(np.asarray(gr, np.float32))), name
+        np.testing.assert_allclose(np.asarray(gr, np.float32), np.asarray(gd, np.float32), **tol, err_msg=name)
+
+
+def test_decode_read_is_checked_and_auto_follows_the_backend():
+    q, k, v = _qkv(8, T=2)
+    cache = M.init_kv_cache(2, 4, 2, 8, v_head_dim=6)
+    with pytest.raises(ValueError, match="`read`"):
+        M.softmax_attention_step(q[:, 0], k[:, 0], v[:, 0], cache, read="einsum")
+    want = "reduce" if jax.default_backend() == "gpu" else "dot"
+    assert M.resolve_read("f", "auto") == want
+    assert M.resolve_read("f", "dot") == "dot" and M.resolve_read("f", "reduce") == "reduce"
+    full = M.init_kv_cache(2, 1, 2, 8, v_head_dim=6)
+    full = M.softmax_attention_step(q[:, 0], k[:, 0], v[:, 0], full, read="reduce")[1]
+    with pytest.raises(ValueError, match="full"):
+        M.softmax_attention_step(q[:, 1], k[:, 1], v[:, 1], full, read="reduce")
+
+
 def test_decode_from_empty_cache_and_full_cache_error():
     q, k, v = _qkv(3, T=5)
     cache = M.init_kv_cache(2, 5, 2, 8, v_head_dim=6)
