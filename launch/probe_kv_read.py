@@ -1,7 +1,7 @@
 """How fast does one decode step read a KV cache? The ways to read the same cache, timed.
 
     python launch/probe_kv_read.py [--context 1048576] [--heads 16] [--head-dim 128]
-        [--batch 1] [--dtype bfloat16] [--steps 20] [--mla-rank 512] [--mla-rope 64]
+        [--kv-heads H] [--batch 1] [--dtype bfloat16] [--steps 20] [--mla-rank 512] [--mla-rope 64]
         [--out DIR]    # DIR/kv_read.json
 
 A question for the device, not an experiment: ``experiments.decode_scaling`` found MHA's decode
@@ -11,7 +11,7 @@ per ``(b, h)`` — batch dims that are not the cache's leading dims. This times,
 
 * ``dot``: ``memory.softmax_attention_step(..., read="dot")`` (einsum / ``dot_general``);
 * ``heads_major``: the same math on a ``[B, H, L, D]`` cache (the per-head products need no
-  transpose);
+  transpose; only without GQA);
 * ``reduce``: ``read="reduce"``, the ``[B, L, H, D]`` cache read by multiply-and-reduce fusions;
 * ``mla_dot`` / ``mla_reduce``: MLA's absorbed read of a ``[B, L, C]`` latent + ``[B, L, R]``
   rope-key cache (``layers.mla.MLA.decode``), by ``memory.cache_read`` in each form.
@@ -23,7 +23,9 @@ the cache, and the first step's largest difference from the family's ``dot`` row
 Measured (2026-11-30, H200, jax 0.11.2, defaults, commit 9e53759, forms then named library /
 heads_major / reduce): 19.35 / 12.23 / 2.40 ms, i.e. 444 / 702 / 3576 GB/s; the einsum forms
 held a temporary as large as the cache (XLA:GPU copied K and V every step), the reduce form
-0.01x. That is why ``read="auto"`` means ``"reduce"`` on GPUs. On the 2-core CPU
+0.01x; MLA's read: mla_dot 0.94 ms (1292 GB/s), mla_reduce 9.1 ms (132 GB/s). That is why
+``read="auto"`` means ``"reduce"`` on GPUs only when each cached element meets one query
+(``memory.resolve_read``); ``--kv-heads`` measures the grouped-query reads in between. On the 2-core CPU
 (``--context 65536 --heads 4 --head-dim 64 --steps 5``): float32 dot 51 ms, heads_major 116,
 reduce 469 — the reverse, hence ``"dot"`` on CPUs.
 """
@@ -34,6 +36,7 @@ import argparse
 import json
 import os
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -101,11 +104,14 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def run(context: int, heads: int, head_dim: int, batch: int, dtype: str, steps: int,
-        mla_rank: int = 512, mla_rope: int = 64) -> list[dict]:
+        mla_rank: int = 512, mla_rope: int = 64, kv_heads: Optional[int] = None) -> list[dict]:
+    kv_heads = heads if kv_heads is None else kv_heads
     for name, val in (("context", context), ("heads", heads), ("head_dim", head_dim), ("batch", batch),
-                      ("mla_rank", mla_rank), ("mla_rope", mla_rope)):
+                      ("mla_rank", mla_rank), ("mla_rope", mla_rope), ("kv_heads", kv_heads)):
         if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
             raise ValueError(f"{name}: must be a positive int, got {val!r}")
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads: must divide heads ({heads}), got {kv_heads}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
     dt = jnp.dtype(dtype)
@@ -113,15 +119,18 @@ def run(context: int, heads: int, head_dim: int, batch: int, dtype: str, steps: 
         raise ValueError(f"steps / context: need steps >= 1 and context > steps + 3 (warm-up), "
                          f"got {steps} / {context}")
     k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(0), 5)
-    mha_in = tuple(jax.random.normal(k, (batch, heads, head_dim), jnp.float32) for k in (k1, k2, k3))
+    mha_in = (jax.random.normal(k1, (batch, heads, head_dim), jnp.float32),
+              *(jax.random.normal(k, (batch, kv_heads, head_dim), jnp.float32) for k in (k2, k3)))
     mla_in = (jax.random.normal(k4, (batch, heads, mla_rank + mla_rope), jnp.float32),
               jax.random.normal(k5, (batch, 1, mla_rank + mla_rope), jnp.float32), mha_in[2])
     out = []
     refs = {}
     for name, fn in FORMS.items():
+        if name == "heads_major" and kv_heads != heads:
+            continue  # written for one key/value head per query head
         family = "mla" if name.startswith("mla") else "mha"
         args = mla_in if family == "mla" else mha_in
-        cache = _cache(name, batch, context, heads, head_dim, dt, writes=3 + steps, mla=(mla_rank, mla_rope))
+        cache = _cache(name, batch, context, kv_heads, head_dim, dt, writes=3 + steps, mla=(mla_rank, mla_rope))
         step = jax.jit(fn, donate_argnums=3)
         compiled = step.lower(*args, cache).compile()
         mem = compiled.memory_analysis()
@@ -136,7 +145,7 @@ def run(context: int, heads: int, head_dim: int, batch: int, dtype: str, steps: 
             if i >= 3:
                 times.append(time.perf_counter() - t0)
         ms = 1e3 * float(np.median(times))
-        per_token = (mla_rank + mla_rope) if family == "mla" else 2 * heads * head_dim
+        per_token = (mla_rank + mla_rope) if family == "mla" else 2 * kv_heads * head_dim
         read = batch * context * per_token * dt.itemsize
         ref = refs.setdefault(family, first)
         out.append({"form": name, "ms_per_step": ms, "bytes_read": read, "read_gb_per_s": read / ms / 1e6,
@@ -150,6 +159,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--context", type=int, default=1 << 20)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads; fewer = GQA, "
+                                                                "each cached head read by heads/kv_heads queries)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--steps", type=int, default=20)
@@ -159,10 +170,11 @@ def main(argv=None) -> list[dict]:
                                                 "passes --out $RESULTS)")
     a = p.parse_args(argv)
     try:
-        rows = run(a.context, a.heads, a.head_dim, a.batch, a.dtype, a.steps, a.mla_rank, a.mla_rope)
+        rows = run(a.context, a.heads, a.head_dim, a.batch, a.dtype, a.steps, a.mla_rank, a.mla_rope, a.kv_heads)
     except ValueError as err:
         p.error(str(err))
-    print(f"KV read, one layer: B={a.batch}, L={a.context}, H={a.heads}, D={a.head_dim}, {a.dtype}; {jax.devices()[0]}")
+    print(f"KV read, one layer: B={a.batch}, L={a.context}, H={a.heads}, Hkv={a.kv_heads or a.heads}, D={a.head_dim}, "
+          f"{a.dtype}; {jax.devices()[0]}")
     print(f"{'form':12s} {'ms/step':>9s} {'GB/s read':>10s} {'temp/cache':>11s} {'max|diff|':>10s}")
     for r in rows:
         temp = "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / r['bytes_read']:.2f}x"

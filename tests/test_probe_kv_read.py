@@ -34,5 +34,10 @@ def test_three_reads_agree_and_are_reported(tmp_path, capsys):
         probe.run(64, 0, 16, 1, "float32", 2)
     with pytest.raises(ValueError, match="^dtype:"):
         probe.run(64, 4, 16, 1, "int8", 2)
+    gqa = probe.run(64, 4, 16, 1, "float32", 2, mla_rank=8, mla_rope=8, kv_heads=2)
+    assert [r["form"] for r in gqa] == ["dot", "reduce", "mla_dot", "mla_reduce"]  # heads_major: no GQA
+    assert gqa[0]["bytes_read"] == 2 * 64 * 2 * 16 * 4 and gqa[1]["max_abs_diff_vs_dot"] < 1e-5
+    with pytest.raises(ValueError, match="^kv_heads:"):
+        probe.run(64, 4, 16, 1, "float32", 2, kv_heads=3)
     with pytest.raises(ValueError, match="^mla_rank:"):
         probe.run(64, 4, 16, 1, "float32", 2, mla_rank=0)

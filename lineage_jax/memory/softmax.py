@@ -182,21 +182,28 @@ def softmax_attention_extend(q: Array, k: Array, v: Array, cache: KVCache, *, sc
 READS = ("auto", "dot", "reduce")
 
 
-def resolve_read(fn: str, read: str, arg: str = "read") -> str:
-    """``"dot"`` or ``"reduce"``: how a decode step reads its cache (``"auto"`` picks by backend).
+def resolve_read(fn: str, read: str, arg: str = "read", *, reuse: int = 1) -> str:
+    """``"dot"`` or ``"reduce"``: how a decode step reads its cache (``"auto"`` picks).
 
     ``"dot"`` reads with ``dot_general`` (einsum); ``"reduce"`` with multiply-and-reduce
-    fusions. On the H200 (2026-11-30, ``launch/probe_kv_read.py``, one layer's 1M-token
-    bf16 cache, 16 heads x 128) the dot read ran at 444 GB/s and its compiled step held a
-    temporary as large as the cache (XLA:GPU copied K and V into the layout its batched
-    product wants, every step); the reduce read ran at 3576 GB/s with no such copy. On the
-    2-core CPU the reduce read was ~7x slower. ``"auto"`` = ``"reduce"`` on GPU, ``"dot"``
-    elsewhere (TPU not measured).
+    fusions. ``reuse`` is how many query rows meet each cached element (``H / Hkv`` for
+    softmax attention; all ``H`` heads for MLA's shared latent). Measured on the H200
+    (2026-11-30, ``launch/probe_kv_read.py``, one layer, 1M tokens, bf16):
+
+    * MHA (16 heads x 128, reuse 1): dot 19.2 ms (447 GB/s; XLA:GPU copied K and V into
+      the layout its batched product wants, a temporary as large as the cache, every
+      step), reduce 2.36 ms (3634 GB/s, no copy);
+    * MLA's latent read (512 + 64 channels, 16 heads, reuse 16): dot 0.94 ms (1292 GB/s),
+      reduce 9.1 ms — a product with reuse is a matmul, and the dot keeps it one.
+
+    On the 2-core CPU the reduce read was ~7x slower than the dot. So ``"auto"`` means
+    ``"reduce"`` on a GPU when ``reuse == 1`` and ``"dot"`` otherwise (grouped-query reuse
+    2-8 and TPUs are not measured yet: they keep the dot).
     """
     if read not in READS:
         raise ValueError(f"{fn}: `{arg}` must be one of {READS}, got {read!r}")
     if read == "auto":
-        return "reduce" if jax.default_backend() == "gpu" else "dot"
+        return "reduce" if jax.default_backend() == "gpu" and reuse == 1 else "dot"
     return read
 
 
@@ -209,18 +216,31 @@ def cache_read(spec: str, x: Array, cached: Array, *, read: str = "auto") -> Arr
     the einsum; ``"reduce"`` broadcasts ``x`` into the cache's own axis order (its letters
     missing from the cache go just before the cache's minor axis), multiplies and sums —
     a fusion that streams the cache once in its layout, with no transposed copy.
-    ``"auto"``: see :func:`resolve_read`.
+    ``"auto"``: see :func:`resolve_read`, with ``reuse`` the size of ``x``'s axes that the
+    cache lacks.
     """
-    read = resolve_read("cache_read", read)
+    parts = spec.replace(" ", "").split("->")
+    ops = parts[0].split(",") if len(parts) == 2 else []
+    if (len(ops) != 2 or not all(t.isalpha() and len(set(t)) == len(t) for t in ops + [parts[1]])
+            or not set(parts[1]) <= set(ops[0] + ops[1])):
+        raise ValueError(f"cache_read: `spec` must be 'x,cache->out' over single letters, each once per "
+                         f"operand, out drawn from the inputs; got {spec!r}")
+    (xs, cs), out = ops, parts[1]
+    for name, letters, arr in (("x", xs, x), ("cached", cs, cached)):
+        if len(letters) != jnp.ndim(arr):
+            raise ValueError(f"cache_read: `{name}` has shape {V.shape_of(arr)}, but `spec` {spec!r} gives it "
+                             f"{len(letters)} axes")
+    extra = [a for a in xs if a not in cs]
+    reuse = 1
+    for a in extra:
+        reuse *= x.shape[xs.index(a)]
+    read = resolve_read("cache_read", read, reuse=reuse)
     acc = jnp.result_type(jnp.float32, cached)
     x = x.astype(cached.dtype)
     if read == "dot":
         # HIGHEST keeps float32 caches exact (no TF32); bf16 products are exact in float32 anyway.
         precision = lax.Precision.HIGHEST if cached.dtype.itemsize >= 4 else lax.Precision.DEFAULT
         return jnp.einsum(spec, x, cached, precision=precision, preferred_element_type=acc)
-    ins, out = spec.split("->")
-    xs, cs = ins.split(",")
-    extra = [a for a in xs if a not in cs]
     order = list(cs[:-1]) + extra + [cs[-1]]  # the cache's axes in place, x's own before its minor axis
     def lift(arr, letters):
         arr = jnp.transpose(arr.astype(acc), [letters.index(a) for a in order if a in letters])
@@ -261,10 +281,12 @@ def softmax_attention_step(q_t: Array, k_t: Array, v_t: Array, cache: KVCache, *
     fn = "softmax_attention_step"
     if not isinstance(cache, KVCache):
         raise ValueError(f"{fn}: `cache` must be a KVCache (see init_kv_cache / kv_cache_from_prefill), got {type(cache).__name__}")
-    read = resolve_read(fn, read)
+    if read not in READS:
+        raise ValueError(f"{fn}: `read` must be one of {READS}, got {read!r}")
     V.require_rank(fn, "q_t", q_t, 3, "[B,H,K]")
     B, H, K = V.shape_of(q_t)
     _, L, Hk, _ = V.shape_of(cache.k)
+    read = resolve_read(fn, read, reuse=H // max(Hk, 1))
     V.require_shape(fn, "k_t", k_t, (B, Hk, K), "[B,Hkv,K] (as the cache)")
     V.require_shape(fn, "v_t", v_t, (B, Hk, cache.v.shape[-1]), "[B,Hkv,V] (as the cache)")
     if read == "dot":

@@ -91,13 +91,42 @@ def test_decode_reads_agree_and_match_the_full_sequence(Hk, dtype):
         np.testing.assert_allclose(np.asarray(gr, np.float32), np.asarray(gd, np.float32), **tol, err_msg=name)
 
 
+@pytest.mark.parametrize("spec,xs,cs", [
+    ("bhc,blc->bhl", (2, 4, 8), (2, 7, 8)),        # MLA's latent scores (reuse 4)
+    ("bhl,blc->bhc", (2, 4, 7), (2, 7, 8)),        # MLA's latent read
+    ("bhgk,blhk->bhgl", (2, 3, 1, 5), (2, 7, 3, 5)),  # MHA scores
+    ("bhgl,blhv->bhgv", (2, 3, 2, 7), (2, 7, 3, 4)),  # GQA values
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cache_read_forms_equal_the_einsum(spec, xs, cs, dtype):
+    r = np.random.default_rng(9)
+    x, c = jnp.asarray(r.normal(size=xs), jnp.float32), jnp.asarray(r.normal(size=cs), dtype)
+    want = np.einsum(spec, np.asarray(x.astype(dtype), np.float64), np.asarray(c, np.float64))
+    for read in ("dot", "reduce"):
+        got = M.cache_read(spec, x, c, read=read)
+        assert got.dtype == jnp.float32 and got.shape == want.shape, read
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=read)
+
+
+def test_cache_read_checks_its_spec():
+    x, c = jnp.ones((2, 4, 8)), jnp.ones((2, 7, 8))
+    for bad in ("bhc->bhl", "bhc,blc,bz->bhl", "bhc,blc->bhz", "bhh,blc->bhl", "b1c,blc->bhl"):
+        with pytest.raises(ValueError, match="`spec`"):
+            M.cache_read(bad, x, c)
+    with pytest.raises(ValueError, match="`cached` has shape"):
+        M.cache_read("bhc,bc->bh", x, c)
+    with pytest.raises(ValueError, match="`read`"):
+        M.cache_read("bhc,blc->bhl", x, c, read="fast")
+
+
 def test_decode_read_is_checked_and_auto_follows_the_backend():
     q, k, v = _qkv(8, T=2)
     cache = M.init_kv_cache(2, 4, 2, 8, v_head_dim=6)
     with pytest.raises(ValueError, match="`read`"):
         M.softmax_attention_step(q[:, 0], k[:, 0], v[:, 0], cache, read="einsum")
-    want = "reduce" if jax.default_backend() == "gpu" else "dot"
-    assert M.resolve_read("f", "auto") == want
+    gpu = jax.default_backend() == "gpu"
+    assert M.resolve_read("f", "auto") == ("reduce" if gpu else "dot")
+    assert M.resolve_read("f", "auto", reuse=16) == "dot"  # a read with reuse is a matmul (MLA's latent)
     assert M.resolve_read("f", "dot") == "dot" and M.resolve_read("f", "reduce") == "reduce"
     full = M.init_kv_cache(2, 1, 2, 8, v_head_dim=6)
     full = M.softmax_attention_step(q[:, 0], k[:, 0], v[:, 0], full, read="reduce")[1]
