@@ -78,6 +78,7 @@ from flax import nnx
 
 from experiments import common as C
 from lineage_jax import accounting
+from lineage_jax.memory import resolve_read
 from lineage_jax.models import Decoder, ModelConfig, inference_steps
 
 NAME = "decode_scaling"
@@ -311,6 +312,19 @@ def measure(target: Target, batch: int, context: int, budget_bytes: float, b: Bu
 # ----------------------------------------------------------------------------
 # The sweep.
 # ----------------------------------------------------------------------------
+def decode_reads(cfg: ModelConfig) -> dict:
+    """How this backend's decode reads each cache kind of ``cfg`` (``memory.resolve_read``'s
+    ``"auto"``): ``"dot"`` (einsum) or ``"reduce"`` (multiply-and-reduce) — recorded because
+    the two differ ~8x on the H200 (docs/results.md)."""
+    reads = {}
+    if "S" in cfg.pattern:
+        reuse = cfg.num_heads // (cfg.num_kv_heads or cfg.num_heads)
+        reads["softmax"] = resolve_read("decode_scaling", "auto", reuse=reuse)
+    if "M" in cfg.pattern:
+        reads["mla_latent"] = resolve_read("decode_scaling", "auto", reuse=cfg.num_heads)
+    return reads
+
+
 def run(quick: bool = False, out: str = "results", only: Optional[Sequence[str]] = None,
         contexts: Optional[Sequence[int]] = None, layers: Optional[int] = None, steps: Optional[int] = None,
         max_batch: Optional[int] = None, device_memory_gb: Optional[float] = None) -> dict:
@@ -331,7 +345,7 @@ def run(quick: bool = False, out: str = "results", only: Optional[Sequence[str]]
         target = Target(model_config(key, b))
         cfg = target.cfg
         arch_info[key] = {"label": cfg.name, "pattern": cfg.pattern, "weight_bytes": target.weight_bytes,
-                          "params": accounting.param_counts(cfg)["total"]}
+                          "params": accounting.param_counts(cfg)["total"], "decode_reads": decode_reads(cfg)}
         budget_bytes = b.fill_fraction * memory - target.weight_bytes
         for context in b.contexts:
             per_sequence = predicted_cache_bytes(cfg, 1, context, jnp.dtype(b.dtype).itemsize)["total"]

@@ -47,6 +47,9 @@ def decode_record(tmp_path_factory):
 def test_decode_scaling_structure_and_exact_bytes(decode_record):
     rec = _load(decode_record)
     assert {r["arch"] for r in rec["rows"]} == {"mha", "kda", "hybrid"}
+    want = "reduce" if jax.default_backend() == "gpu" else "dot"  # how each decode reads its cache
+    assert rec["archs"]["mha"]["decode_reads"] == {"softmax": want}
+    assert rec["archs"]["hybrid"]["decode_reads"] == {"mla_latent": "dot"} and rec["archs"]["kda"]["decode_reads"] == {}
     assert len(rec["rows"]) == 3 * 2 * len(DS.MODES)
     for r in rec["rows"]:
         assert r["status"] == "ok", r
