@@ -315,7 +315,8 @@ def measure(target: Target, batch: int, context: int, budget_bytes: float, b: Bu
 def decode_reads(cfg: ModelConfig) -> dict:
     """How this backend's decode reads each cache kind of ``cfg`` (``memory.resolve_read``'s
     ``"auto"``): ``"dot"`` (einsum) or ``"reduce"`` (multiply-and-reduce) — recorded because
-    the two differ ~8x on the H200 (docs/results.md)."""
+    the two differ ~8x on the H200 (docs/results.md). ``Decoder`` builds its Attention / MLA
+    layers with ``decode_read="auto"``; a config field for it would have to be read here."""
     reads = {}
     if "S" in cfg.pattern:
         reuse = cfg.num_heads // (cfg.num_kv_heads or cfg.num_heads)

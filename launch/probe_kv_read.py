@@ -17,7 +17,8 @@ per ``(b, h)`` — batch dims that are not the cache's leading dims. This times,
   rope-key cache (``layers.mla.MLA.decode``), by ``memory.cache_read`` in each form.
 
 Each row: median ms per step (cache donated, ``steps`` after 3 warm-up steps), the bytes a step
-must read, the read rate in GB/s, the compiled step's temporaries (XLA memory analysis) against
+must read (each cached byte once: MLA's latent is read twice, for scores and values, so its
+GB/s understate the traffic), the read rate in GB/s, the compiled step's temporaries (XLA memory analysis) against
 the cache, and the first step's largest difference from the family's ``dot`` row.
 
 Measured (2026-11-30, H200, jax 0.11.2, defaults, commit 9e53759, forms then named library /

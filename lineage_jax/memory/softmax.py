@@ -198,10 +198,14 @@ def resolve_read(fn: str, read: str, arg: str = "read", *, reuse: int = 1) -> st
 
     On the 2-core CPU the reduce read was ~7x slower than the dot. So ``"auto"`` means
     ``"reduce"`` on a GPU when ``reuse == 1`` and ``"dot"`` otherwise (grouped-query reuse
-    2-8 and TPUs are not measured yet: they keep the dot).
+    2-8 and TPUs are not measured yet: they keep the dot). The backend is
+    ``jax.default_backend()`` when the step is traced: a step jitted for another platform
+    (``jax.default_device``, a CPU ``jit`` on a GPU host) should pass ``read`` explicitly.
     """
     if read not in READS:
         raise ValueError(f"{fn}: `{arg}` must be one of {READS}, got {read!r}")
+    if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 1:
+        raise ValueError(f"{fn}: `reuse` must be a positive int, got {reuse!r}")
     if read == "auto":
         return "reduce" if jax.default_backend() == "gpu" and reuse == 1 else "dot"
     return read
@@ -212,7 +216,8 @@ def cache_read(spec: str, x: Array, cached: Array, *, read: str = "auto") -> Arr
 
     ``spec`` is a two-operand einsum over single letters (``"bhc,blc->bhl"``); ``cached`` is
     read in its stored dtype: ``x`` is rounded to it and products accumulate in float32
-    (float64 for a float64 cache), the dtype policy of :func:`_attend`. ``read="dot"`` is
+    (float64 for a float64 cache; unlike :func:`_attend`, a float64 ``x`` does not widen the
+    accumulation of a float32 cache), the dtype policy of :func:`_attend`. ``read="dot"`` is
     the einsum; ``"reduce"`` broadcasts ``x`` into the cache's own axis order (its letters
     missing from the cache go just before the cache's minor axis), multiplies and sums —
     a fusion that streams the cache once in its layout, with no transposed copy.
@@ -226,6 +231,9 @@ def cache_read(spec: str, x: Array, cached: Array, *, read: str = "auto") -> Arr
         raise ValueError(f"cache_read: `spec` must be 'x,cache->out' over single letters, each once per "
                          f"operand, out drawn from the inputs; got {spec!r}")
     (xs, cs), out = ops, parts[1]
+    if not jnp.issubdtype(jnp.result_type(cached), jnp.inexact):
+        raise ValueError(f"cache_read: `cached` must be a floating cache (x is rounded to its dtype), "
+                         f"got {jnp.result_type(cached)}")
     for name, letters, arr in (("x", xs, x), ("cached", cs, cached)):
         if len(letters) != jnp.ndim(arr):
             raise ValueError(f"cache_read: `{name}` has shape {V.shape_of(arr)}, but `spec` {spec!r} gives it "
@@ -281,24 +289,23 @@ def softmax_attention_step(q_t: Array, k_t: Array, v_t: Array, cache: KVCache, *
     fn = "softmax_attention_step"
     if not isinstance(cache, KVCache):
         raise ValueError(f"{fn}: `cache` must be a KVCache (see init_kv_cache / kv_cache_from_prefill), got {type(cache).__name__}")
-    if read not in READS:
-        raise ValueError(f"{fn}: `read` must be one of {READS}, got {read!r}")
     V.require_rank(fn, "q_t", q_t, 3, "[B,H,K]")
     B, H, K = V.shape_of(q_t)
     _, L, Hk, _ = V.shape_of(cache.k)
-    read = resolve_read(fn, read, reuse=H // max(Hk, 1))
     V.require_shape(fn, "k_t", k_t, (B, Hk, K), "[B,Hkv,K] (as the cache)")
     V.require_shape(fn, "v_t", v_t, (B, Hk, cache.v.shape[-1]), "[B,Hkv,V] (as the cache)")
+    read = resolve_read(fn, read, reuse=_check_heads(fn, H, Hk))
     if read == "dot":
         o, cache = softmax_attention_extend(q_t[:, None], k_t[:, None], v_t[:, None], cache, scale=scale)
         return o[:, 0], cache
-    _check_heads(fn, H, Hk)
     if V.is_concrete(cache.length) and int(np.max(jax.device_get(cache.length))) + 1 > L:
         raise ValueError(f"{fn}: `cache` is full: {int(np.max(jax.device_get(cache.length)))} + 1 tokens exceed capacity {L}; "
                          "allocate a larger max_len")
     scale = V.resolve_scale(fn, scale, K)
     rows = jnp.arange(B)
-    k_all = cache.k.at[rows, cache.length].set(k_t.astype(cache.k.dtype))
-    v_all = cache.v.at[rows, cache.length].set(v_t.astype(cache.v.dtype))
+    # mode="clip": a full cache under jit overwrites its last slot, as the dot path's
+    # dynamic_update_slice does (the concrete check above refuses it outside jit).
+    k_all = cache.k.at[rows, cache.length].set(k_t.astype(cache.k.dtype), mode="clip")
+    v_all = cache.v.at[rows, cache.length].set(v_t.astype(cache.v.dtype), mode="clip")
     visible = jnp.arange(L)[None, :] <= cache.length[:, None]
     return _attend_one(q_t, k_all, v_all, visible, scale, read), KVCache(k_all, v_all, cache.length + 1)

@@ -96,6 +96,8 @@ def test_decode_reads_agree_and_match_the_full_sequence(Hk, dtype):
     ("bhl,blc->bhc", (2, 4, 7), (2, 7, 8)),        # MLA's latent read
     ("bhgk,blhk->bhgl", (2, 3, 1, 5), (2, 7, 3, 5)),  # MHA scores
     ("bhgl,blhv->bhgv", (2, 3, 2, 7), (2, 7, 3, 4)),  # GQA values
+    ("bhl,blc->cbh", (2, 4, 7), (2, 7, 8)),        # output in another order
+    ("hbcz,blc->lb", (4, 2, 8, 3), (2, 7, 8)),     # x permuted; z only in x, summed away
 ])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cache_read_forms_equal_the_einsum(spec, xs, cs, dtype):
@@ -117,6 +119,18 @@ def test_cache_read_checks_its_spec():
         M.cache_read("bhc,bc->bh", x, c)
     with pytest.raises(ValueError, match="`read`"):
         M.cache_read("bhc,blc->bhl", x, c, read="fast")
+    with pytest.raises(ValueError, match="`cached` must be a floating"):
+        M.cache_read("bhc,blc->bhl", x, c.astype(jnp.int8))
+
+
+def test_reduce_read_has_no_dot_general():
+    """The point of ``read="reduce"``: no ``dot_general`` over the cache (XLA:GPU copied the cache
+    to feed one, every step); ``"dot"`` has them."""
+    q, k, v = _qkv(10, T=1)
+    cache = M.init_kv_cache(2, 8, 2, 8, v_head_dim=6, dtype=jnp.bfloat16)
+    for read, n in (("reduce", 0), ("dot", 2)):
+        jaxpr = str(jax.make_jaxpr(lambda *a: M.softmax_attention_step(*a, cache, read=read))(q[:, 0], k[:, 0], v[:, 0]))
+        assert jaxpr.count("dot_general") == n, read
 
 
 def test_decode_read_is_checked_and_auto_follows_the_backend():
@@ -128,10 +142,18 @@ def test_decode_read_is_checked_and_auto_follows_the_backend():
     assert M.resolve_read("f", "auto") == ("reduce" if gpu else "dot")
     assert M.resolve_read("f", "auto", reuse=16) == "dot"  # a read with reuse is a matmul (MLA's latent)
     assert M.resolve_read("f", "dot") == "dot" and M.resolve_read("f", "reduce") == "reduce"
+    with pytest.raises(ValueError, match="`reuse`"):
+        M.resolve_read("f", "auto", reuse=0)
     full = M.init_kv_cache(2, 1, 2, 8, v_head_dim=6)
     full = M.softmax_attention_step(q[:, 0], k[:, 0], v[:, 0], full, read="reduce")[1]
     with pytest.raises(ValueError, match="full"):
         M.softmax_attention_step(q[:, 1], k[:, 1], v[:, 1], full, read="reduce")
+    # Under jit the length is traced and unchecked: both forms overwrite the last slot alike.
+    outs = {r: jax.jit(lambda *a, r=r: M.softmax_attention_step(*a, read=r))(q[:, 1], k[:, 1], v[:, 1], full)
+            for r in ("dot", "reduce")}
+    np.testing.assert_allclose(outs["reduce"][0], outs["dot"][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(outs["reduce"][1].v, outs["dot"][1].v)
+    np.testing.assert_array_equal(outs["dot"][1].v[:, 0], v[:, 1])
 
 
 def test_decode_from_empty_cache_and_full_cache_error():
