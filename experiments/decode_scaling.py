@@ -313,16 +313,15 @@ def measure(target: Target, batch: int, context: int, budget_bytes: float, b: Bu
 # The sweep.
 # ----------------------------------------------------------------------------
 def decode_reads(cfg: ModelConfig) -> dict:
-    """How this backend's decode reads each cache kind of ``cfg`` (``memory.resolve_read``'s
-    ``"auto"``): ``"dot"`` (einsum) or ``"reduce"`` (multiply-and-reduce) — recorded because
-    the two differ ~8x on the H200 (docs/results.md). ``Decoder`` builds its Attention / MLA
-    layers with ``decode_read="auto"``; a config field for it would have to be read here."""
+    """How this backend's decode reads each cache kind of ``cfg`` (``cfg.decode_read`` resolved
+    by ``memory.resolve_read``): ``"dot"`` (einsum) or ``"reduce"`` (multiply-and-reduce) —
+    recorded because the two differ ~8x on the H200 (docs/results.md)."""
     reads = {}
     if "S" in cfg.pattern:
         reuse = cfg.num_heads // (cfg.num_kv_heads or cfg.num_heads)
-        reads["softmax"] = resolve_read("decode_scaling", "auto", reuse=reuse)
-    if "M" in cfg.pattern:
-        reads["mla_latent"] = resolve_read("decode_scaling", "auto", reuse=cfg.num_heads)
+        reads["softmax"] = resolve_read("decode_scaling", cfg.decode_read, reuse=reuse)
+    if "M" in cfg.pattern:  # the latent and the shared rope key, both read by every head
+        reads["mla_latent"] = resolve_read("decode_scaling", cfg.decode_read, reuse=cfg.num_heads)
     return reads
 
 

@@ -73,6 +73,9 @@ class ModelConfig:
     # Residual.
     attnres_block: int = 0  # 0: plain residual; n > 0: block AttnRes, blocks of n layers
     # Execution.
+    # How decode steps read softmax / MLA caches: "auto" | "dot" (einsum) | "reduce" (multiply-and-
+    # reduce, no transposed copy of the cache); see lineage_jax.memory.resolve_read.
+    decode_read: str = "auto"
     remat: bool = False
     scan_layers: bool = True
     scan_period: Optional[int] = None  # macrocycle length for lax.scan (default: smallest period of the pattern)
@@ -175,6 +178,8 @@ def validate(c: ModelConfig) -> None:
         _fail("memory_backend", f"must be 'xla', 'pallas' or 'auto', got {c.memory_backend!r}")
     if c.kda_output_gate not in ("lowrank", "full", "none"):
         _fail("kda_output_gate", f"must be 'lowrank', 'full' or 'none', got {c.kda_output_gate!r}")
+    if c.decode_read not in ("auto", "dot", "reduce"):
+        _fail("decode_read", f"must be 'auto', 'dot' or 'reduce', got {c.decode_read!r}")
     if c.decay_a_init not in ("default", "unit"):
         _fail("decay_a_init", f"must be 'default' or 'unit', got {c.decay_a_init!r}")
     if c.decay_a_init != "default" and not set(c.pattern) & {"G", "K"}:

@@ -55,12 +55,12 @@ def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
         return Attention(cfg.d_model, num_heads=cfg.num_heads, head_dim=hd, num_kv_heads=cfg.num_kv_heads,
                          use_bias=cfg.attn_bias, rngs=rngs, std=0.02 if gpt2_init else None,
                          out_std=0.02 / (2 * cfg.num_layers) ** 0.5 if gpt2_init else None,
-                         rope_theta=cfg.rope_theta if cfg.positions == "rope" else None)
+                         rope_theta=cfg.rope_theta if cfg.positions == "rope" else None, decode_read=cfg.decode_read)
     if kind == "mla":
         return MLA(cfg.d_model, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
                    qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
                    v_head_dim=cfg.v_head_dim, use_rope=cfg.mla_rope, rope_theta=cfg.rope_theta,
-                   output_gate=cfg.mla_output_gate, rngs=rngs)
+                   output_gate=cfg.mla_output_gate, rngs=rngs, decode_read=cfg.decode_read)
     return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
                        conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
                        gate_rank=cfg.kda_gate_rank, a_init=cfg.decay_a_init, chunk_size=cfg.chunk_size,

@@ -20,7 +20,7 @@ from flax import nnx
 from experiments import attnres as AR
 from experiments import decode_scaling as DS
 from experiments import lm as LM
-from lineage_jax.models import Decoder
+from lineage_jax.models import Decoder, get_config
 
 
 def _load(record: dict) -> dict:
@@ -75,6 +75,12 @@ def test_decode_scaling_structure_and_exact_bytes(decode_record):
     assert rec["speedups"]["bytes_headline"]["kda_vs_mha"]["fill"] == {"context": 256, "speedup": pytest.approx(want)}
     assert mha_r["bytes_read"] == rec["archs"]["mha"]["weight_bytes"] + mha_r["cache_bytes"]
     assert "Kimi Linear" in DS.table(rec) and "exact" in DS.table(rec) and "GB/s read" in DS.table(rec)
+
+
+def test_decode_scaling_records_the_configured_read():
+    assert DS.decode_reads(get_config("tiny_llama").replace(decode_read="reduce")) == {"softmax": "reduce"}
+    assert DS.decode_reads(get_config("tiny_kimi_linear").replace(decode_read="dot")) == {"mla_latent": "dot"}
+    assert DS.decode_reads(get_config("tiny_kda")) == {}
 
 
 def test_decode_scaling_does_not_fit_is_recorded(tmp_path):

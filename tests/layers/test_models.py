@@ -261,7 +261,7 @@ def test_attnres_first_read_is_the_embedding():
     ("moe_dispatch", "dense"),
     ("chunk_size", 0), ("scan_period", 0), ("kv_lora_rank", 0), ("memory_backend", "triton"),
     ("positions", "alibi"), ("rope_theta", 0.0), ("rope_theta", "1e4"), ("rope_theta", float("inf")),
-    ("decay_a_init", "slow"),
+    ("decay_a_init", "slow"), ("decode_read", "einsum"),
 ])
 def test_inconsistent_configs_name_the_field(field, value):
     base = get_config("tiny_kimi_linear") if field != "num_kv_heads" else get_config("tiny_gpt2")
@@ -270,6 +270,24 @@ def test_inconsistent_configs_name_the_field(field, value):
         changes["head_dim"] = None  # head_dim defaults to d_model // num_heads: 64 % 5 != 0
     with pytest.raises(ValueError, match=field):
         base.replace(**changes)
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_mla"])
+def test_decode_read_reaches_every_attention_layer(name):
+    """``ModelConfig.decode_read``: the Decoder's softmax / MLA layers read their caches that way;
+    both reads decode the same logits (GQA softmax with RoPE; MLA)."""
+    tokens = jax.random.randint(jax.random.key(3), (2, 7), 0, 256)
+    logits = {}
+    for read in ("dot", "reduce"):
+        model = Decoder(get_config(name).replace(decode_read=read), rngs=nnx.Rngs(0))
+        assert {b.mixer.decode_read for g in model.groups for b in g.blocks} == {read}
+        _, cache = prefill(model, tokens[:, :5], model.init_cache(2, 8))
+        out = []
+        for t in (5, 6):
+            y, cache = decode(model, tokens[:, t], cache)
+            out.append(y)
+        logits[read] = np.stack(out)
+    np.testing.assert_allclose(logits["reduce"], logits["dot"], rtol=1e-4, atol=1e-5)
 
 
 def test_rope_softmax_decoder():
