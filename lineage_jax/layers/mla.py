@@ -42,7 +42,6 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -241,8 +240,8 @@ class MLA(nnx.Module):
         self._check_cache(fn, cache, B)
         V.check_segment_ids(fn, segment_ids, B, T)
         L = cache.capacity
-        if V.is_concrete(cache.length) and int(np.max(jax.device_get(cache.length))) + T > L:
-            raise ValueError(f"{fn}: `cache` has room for {L} tokens; {int(np.max(jax.device_get(cache.length)))} are filled "
+        if V.is_concrete(cache.length) and V.max_filled(cache.length) + T > L:
+            raise ValueError(f"{fn}: `cache` has room for {L} tokens; {V.max_filled(cache.length)} are filled "
                              f"and {T} more do not fit — allocate a larger max_len")
         positions = cache.length[:, None] + jnp.arange(T)                        # [B, T]
         rows = jnp.arange(B)[:, None]
@@ -277,7 +276,7 @@ class MLA(nnx.Module):
         B = V.shape_of(x_t)[0]
         self._check_cache(fn, cache, B)
         L = cache.capacity
-        if V.is_concrete(cache.length) and int(np.max(jax.device_get(cache.length))) >= L:
+        if V.is_concrete(cache.length) and V.max_filled(cache.length) >= L:
             raise ValueError(f"{fn}: `cache` is full (capacity {L}); allocate a larger max_len")
         pos = cache.length                                                       # [B]
         rows = jnp.arange(B)

@@ -25,9 +25,9 @@ from lineage_jax.memory.softmax import (
     cache_read,
     init_kv_cache,
     kv_cache_from_prefill,
+    resolve_read,
     softmax_attention,
     softmax_attention_extend,
-    resolve_read,
     softmax_attention_step,
 )
 

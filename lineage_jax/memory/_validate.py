@@ -72,6 +72,12 @@ def is_concrete(x: Any) -> bool:
     return x is not None and not isinstance(x, jax.core.Tracer)
 
 
+def max_filled(length: Any) -> int:
+    """The largest fill length of a concrete cache ``length`` [B], read on the host (``jnp.max``
+    would trace when the cache is a constant captured inside ``jit``)."""
+    return int(np.max(jax.device_get(length)))
+
+
 def check_log_decay(fn: str, name: str, g: Any) -> None:
     """Gates are natural-log decays: finite and <= 0 (alpha = exp(g) in (0, 1])."""
     if not is_concrete(g):

@@ -15,7 +15,6 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from lineage_jax.memory import _validate as V
@@ -159,8 +158,8 @@ def softmax_attention_extend(q: Array, k: Array, v: Array, cache: KVCache, *, sc
     V.require_shape(fn, "v", v, (B, T, Hk, cache.v.shape[-1]), "[B,T,Hkv,V] (as the cache)")
     _check_heads(fn, H, Hk)
     V.check_segment_ids(fn, segment_ids, B, T)
-    if V.is_concrete(cache.length) and int(np.max(jax.device_get(cache.length))) + T > L:
-        raise ValueError(f"{fn}: `cache` is full: {int(np.max(jax.device_get(cache.length)))} + {T} tokens exceed capacity {L}; "
+    if V.is_concrete(cache.length) and V.max_filled(cache.length) + T > L:
+        raise ValueError(f"{fn}: `cache` is full: {V.max_filled(cache.length)} + {T} tokens exceed capacity {L}; "
                          "allocate a larger max_len")
     scale = V.resolve_scale(fn, scale, K)
     write = jax.vmap(lambda buf, new, start: lax.dynamic_update_slice_in_dim(buf, new, start, axis=0))
@@ -196,7 +195,7 @@ def resolve_read(fn: str, read: str, arg: str = "read", *, reuse: int = 1) -> st
     * MLA's latent read (512 + 64 channels, 16 heads, reuse 16): dot 0.94 ms (1292 GB/s),
       reduce 9.1 ms — a product with reuse is a matmul, and the dot keeps it one.
 
-    On the 2-core CPU the reduce read was ~7x slower than the dot. So ``"auto"`` means
+    On the 2-core CPU the reduce read was 7-10x slower than the dot (probe at 64K tokens). So ``"auto"`` means
     ``"reduce"`` on a GPU when ``reuse == 1`` and ``"dot"`` otherwise (grouped-query reuse
     2-8 and TPUs are not measured yet: they keep the dot). The backend is
     ``jax.default_backend()`` when the step is traced: a step jitted for another platform
@@ -238,6 +237,10 @@ def cache_read(spec: str, x: Array, cached: Array, *, read: str = "auto") -> Arr
         if len(letters) != jnp.ndim(arr):
             raise ValueError(f"cache_read: `{name}` has shape {V.shape_of(arr)}, but `spec` {spec!r} gives it "
                              f"{len(letters)} axes")
+    for a in set(xs) & set(cs):
+        if x.shape[xs.index(a)] != cached.shape[cs.index(a)]:
+            raise ValueError(f"cache_read: axis {a!r} of `spec` {spec!r} has size {x.shape[xs.index(a)]} in `x` "
+                             f"but {cached.shape[cs.index(a)]} in `cached`")
     extra = [a for a in xs if a not in cs]
     reuse = 1
     for a in extra:
@@ -248,7 +251,7 @@ def cache_read(spec: str, x: Array, cached: Array, *, read: str = "auto") -> Arr
     if read == "dot":
         # HIGHEST keeps float32 caches exact (no TF32); bf16 products are exact in float32 anyway.
         precision = lax.Precision.HIGHEST if cached.dtype.itemsize >= 4 else lax.Precision.DEFAULT
-        return jnp.einsum(spec, x, cached, precision=precision, preferred_element_type=acc)
+        return jnp.einsum(f"{xs},{cs}->{out}", x, cached, precision=precision, preferred_element_type=acc)
     order = list(cs[:-1]) + extra + [cs[-1]]  # the cache's axes in place, x's own before its minor axis
     def lift(arr, letters):
         arr = jnp.transpose(arr.astype(acc), [letters.index(a) for a in order if a in letters])
@@ -298,8 +301,8 @@ def softmax_attention_step(q_t: Array, k_t: Array, v_t: Array, cache: KVCache, *
     if read == "dot":
         o, cache = softmax_attention_extend(q_t[:, None], k_t[:, None], v_t[:, None], cache, scale=scale)
         return o[:, 0], cache
-    if V.is_concrete(cache.length) and int(np.max(jax.device_get(cache.length))) + 1 > L:
-        raise ValueError(f"{fn}: `cache` is full: {int(np.max(jax.device_get(cache.length)))} + 1 tokens exceed capacity {L}; "
+    if V.is_concrete(cache.length) and V.max_filled(cache.length) + 1 > L:
+        raise ValueError(f"{fn}: `cache` is full: {V.max_filled(cache.length)} + 1 tokens exceed capacity {L}; "
                          "allocate a larger max_len")
     scale = V.resolve_scale(fn, scale, K)
     rows = jnp.arange(B)

@@ -16,6 +16,8 @@ import math
 import numbers
 from typing import Any, Optional
 
+from lineage_jax.memory.softmax import READS
+
 MIXERS = {"S": "softmax", "L": "linear", "D": "deltanet", "G": "gdn", "K": "kda", "M": "mla"}
 FFN_KINDS = ("gelu", "swiglu", "situ")
 
@@ -178,8 +180,8 @@ def validate(c: ModelConfig) -> None:
         _fail("memory_backend", f"must be 'xla', 'pallas' or 'auto', got {c.memory_backend!r}")
     if c.kda_output_gate not in ("lowrank", "full", "none"):
         _fail("kda_output_gate", f"must be 'lowrank', 'full' or 'none', got {c.kda_output_gate!r}")
-    if c.decode_read not in ("auto", "dot", "reduce"):
-        _fail("decode_read", f"must be 'auto', 'dot' or 'reduce', got {c.decode_read!r}")
+    if c.decode_read not in READS:
+        _fail("decode_read", f"must be one of {READS}, got {c.decode_read!r}")
     if c.decay_a_init not in ("default", "unit"):
         _fail("decay_a_init", f"must be 'default' or 'unit', got {c.decay_a_init!r}")
     if c.decay_a_init != "default" and not set(c.pattern) & {"G", "K"}:

@@ -117,6 +117,8 @@ def test_cache_read_checks_its_spec():
             M.cache_read(bad, x, c)
     with pytest.raises(ValueError, match="`cached` has shape"):
         M.cache_read("bhc,bc->bh", x, c)
+    with pytest.raises(ValueError, match="axis 'c'"):
+        M.cache_read("bhc,blc->bhl", x, jnp.ones((2, 7, 5)))
     with pytest.raises(ValueError, match="`read`"):
         M.cache_read("bhc,blc->bhl", x, c, read="fast")
     with pytest.raises(ValueError, match="`cached` must be a floating"):
