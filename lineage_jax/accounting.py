@@ -154,7 +154,7 @@ def flops_per_token(config: ConfigLike, seq_len: int) -> float:
     total = 2.0 * param_counts(cfg)["active"]
     H, hd = cfg.num_heads, cfg.resolved_head_dim
     ctx = (seq_len + 1) / 2
-    C = min(cfg.chunk_size, seq_len)
+    C = min(cfg.chunk_size or 64, seq_len)
     for ch in cfg.pattern:
         kind = MIXERS[ch]
         if kind == "softmax":

@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from kernels.delta import kernels as kn
@@ -65,6 +66,7 @@ TARGETS = ("gpu", "tpu")
 # (the back-solve's KK too: 2.1 KB vs 84 B). Same residuals, same gradients up to rounding; a launch
 # knob (`chunk_kda(..., anchored_bwd=...)`) until timed. The TPU flavour anchors both (no VPU loops).
 ANCHORED_BWD = ("none", "scores", "both")
+RESIDUALS = "delta_rule_residuals"  # checkpoint_name of the forward kernels' outputs kept for the backward
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
                        # values they scale before products go subnormal (flushed on tensor cores)
 
@@ -314,7 +316,10 @@ def _chunked(s: Spec, q, k, v, g, beta, doc, h0):
 
 
 def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
-    return _forward(s, q, k, v, g, beta, doc, h0)
+    out, res = _forward(s, q, k, v, g, beta, doc, h0)
+    # The kernels' own residuals carry a name, so a remat policy can keep them instead of
+    # running the forward kernels again in the backward pass (``save_only_these_names``).
+    return out, res[:6] + tuple(checkpoint_name(a, RESIDUALS) for a in res[6:])
 
 
 def _chunked_bwd(s, res, cts):

@@ -37,8 +37,10 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, *, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
                  use_bias: bool = False, rngs: nnx.Rngs, out_std: Optional[float] = None, std: Optional[float] = None,
-                 rope_theta: Optional[float] = None, decode_read: str = "auto"):
+                 rope_theta: Optional[float] = None, decode_read: str = "auto", attention_impl: str = "auto"):
         memory.resolve_read("Attention", decode_read, "decode_read")  # checked here, resolved when traced
+        if attention_impl not in memory.ATTENTION_IMPLS:
+            raise ValueError(f"Attention: `attention_impl` must be one of {memory.ATTENTION_IMPLS}, got {attention_impl!r}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, val in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
             if val <= 0:
@@ -54,6 +56,7 @@ class Attention(nnx.Module):
         self.d_model, self.num_heads, self.head_dim, self.num_kv_heads = d_model, num_heads, head_dim, num_kv_heads
         self.rope_theta = None if rope_theta is None else float(rope_theta)
         self.decode_read = decode_read  # how decode reads the cache: memory.softmax_attention_step's `read`
+        self.attention_impl = attention_impl  # the fused attention of __call__: memory.softmax_attention's `impl`
         self.q = Dense(d_model, (num_heads, head_dim), axes=("embed", "heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)
         self.k = Dense(d_model, (num_kv_heads, head_dim), axes=("embed", "kv_heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)
         self.v = Dense(d_model, (num_kv_heads, head_dim), axes=("embed", "kv_heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)
@@ -76,7 +79,7 @@ class Attention(nnx.Module):
     def __call__(self, x: Array, *, segment_ids: Optional[Array] = None) -> Array:
         _check_x("Attention", x, 3, self.d_model)
         q, k = self._qk(x, jnp.arange(x.shape[1])[None, :])
-        o = memory.softmax_attention(q, k, self.v(x), causal=True, segment_ids=segment_ids)
+        o = memory.softmax_attention(q, k, self.v(x), causal=True, segment_ids=segment_ids, impl=self.attention_impl)
         return self._out(o)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> memory.KVCache:

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from lineage_jax import memory
-from lineage_jax.memory.rules import BACKENDS
+from lineage_jax.memory.rules import check_backend
 from lineage_jax.memory.segments import document_index
 from lineage_jax.layers.common import Dense, RMSNorm, l2_normalize, normal, param
 
@@ -113,14 +113,18 @@ class MemoryMixer(nnx.Module):
       output_norm: RMSNorm each head's read. output_gate: "none" | "lowrank" | "full".
       gate_activation: the output gate's nonlinearity, "silu" | "sigmoid" (default: SiLU for
         GDN, as in fla's GatedDeltaNet, sigmoid otherwise).
-      chunk_size: chunk of the WY/UT training form.
+      chunk_size: chunk of the WY/UT training form (None: the backend's own, see
+        :func:`lineage_jax.memory.delta_rule`).
+      backend: the delta rules' chunked form: "auto" (the Pallas kernels on GPU/TPU, XLA on the
+        CPU), "xla" or "pallas" (see :func:`lineage_jax.memory.delta_rule`). The bounded KDA gate
+        reaches the kernels as ``gate_lower_bound=-gate_bound``.
     """
 
     def __init__(self, d_model: int, *, rule: str, num_heads: int, head_dim: int, v_head_dim: Optional[int] = None,
                  conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
                  output_norm: Optional[bool] = None, output_gate: Optional[str] = None,
-                 gate_activation: Optional[str] = None, a_init: str = "default", chunk_size: int = 64,
-                 backend: str = "xla", rngs: nnx.Rngs):
+                 gate_activation: Optional[str] = None, a_init: str = "default", chunk_size: Optional[int] = None,
+                 backend: str = "auto", rngs: nnx.Rngs):
         if rule not in RULES:
             raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
@@ -128,8 +132,7 @@ class MemoryMixer(nnx.Module):
                 raise ValueError(f"MemoryMixer: `{name}` must be a positive int, got {val!r}")
         if conv_size < 0 or conv_size == 1:
             raise ValueError(f"MemoryMixer: `conv_size` must be 0 (none) or >= 2, got {conv_size}")
-        if backend not in BACKENDS:
-            raise ValueError(f"MemoryMixer: `backend` must be one of {BACKENDS}, got {backend!r}")
+        check_backend("MemoryMixer", backend)
         if a_init not in A_INITS:
             raise ValueError(f"MemoryMixer: `a_init` must be one of {A_INITS}, got {a_init!r}")
         if kda_gate not in KDA_GATES:
@@ -235,7 +238,8 @@ class MemoryMixer(nnx.Module):
             return memory.delta_rule(q, k, v, beta, **kw)
         if self.rule == "gdn":
             return memory.gated_delta_rule(q, k, v, g, beta, **kw)
-        return memory.kda(q, k, v, g, beta, **kw)
+        bound = -float(self.gate_bound) if self.kda_gate == "bounded" else None
+        return memory.kda(q, k, v, g, beta, gate_lower_bound=bound, **kw)
 
     # ------------------------------------------------------------------ public
     def __call__(self, x: Array, *, segment_ids: Optional[Array] = None) -> Array:

@@ -26,9 +26,12 @@ Two ways to evaluate the same scores:
   ``Σ_i p_i v_i = (Σ_i p_i c_i) W_uv``. The cache is never expanded per head.
 
 Precision: the projections run at the default matmul precision (TF32 for float32 on
-GPUs); scores, softmax and the absorbed products run in float32 at full precision. The
-two paths agree to float32 rounding (~1e-6 relative) when matmuls run at full float32
-precision (CPU, or ``jax.default_matmul_precision("highest")``), to ~1e-3 under TF32.
+GPUs). ``__call__`` runs the fused attention of :func:`~lineage_jax.memory.softmax_attention`
+in the activations' dtype (``attention_impl``: cuDNN / Pallas / blockwise XLA; scores and
+softmax in float32); ``prefill`` and ``decode`` compute scores, softmax and the absorbed
+products in float32 at full precision. The paths agree to float32 rounding (~1e-6
+relative) for float32 activations when matmuls run at full float32 precision (CPU, or
+``jax.default_matmul_precision("highest")``), to ~1e-3 under TF32.
 
 Positions: with ``use_rope=True`` (DeepSeek) ``q_r`` and ``k_r`` are rotated at
 their absolute positions by :func:`apply_rope` (half-split convention, see there);
@@ -48,7 +51,8 @@ from jax import lax
 from lineage_jax.layers.common import Dense, RMSNorm, apply_rope, normal, param  # apply_rope: re-exported
 from lineage_jax.memory import _validate as V
 from lineage_jax.memory.segments import document_index
-from lineage_jax.memory.softmax import cache_read, resolve_read
+from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
+from lineage_jax.memory.softmax import cache_read, resolve_read, softmax_attention
 
 Array = jax.Array
 
@@ -107,8 +111,10 @@ class MLA(nnx.Module):
     def __init__(self, d_model: int, *, num_heads: int, q_lora_rank: Optional[int] = None,
                  kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                  use_rope: bool = False, rope_theta: float = 10000.0, output_gate: bool = False,
-                 rngs: nnx.Rngs, decode_read: str = "auto"):
+                 rngs: nnx.Rngs, decode_read: str = "auto", attention_impl: str = "auto"):
         resolve_read("MLA", decode_read, "decode_read")  # checked here, resolved when traced
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"MLA: `attention_impl` must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         dims = {"d_model": d_model, "num_heads": num_heads, "kv_lora_rank": kv_lora_rank,
                 "qk_nope_head_dim": qk_nope_head_dim, "qk_rope_head_dim": qk_rope_head_dim,
                 "v_head_dim": v_head_dim}
@@ -129,6 +135,7 @@ class MLA(nnx.Module):
         self.use_rope, self.rope_theta = bool(use_rope), float(rope_theta)
         self.scale = float(n + r) ** -0.5
         self.decode_read = decode_read  # how decode reads the latent cache: memory.cache_read's `read`
+        self.attention_impl = attention_impl  # the fused attention of __call__: memory.softmax_attention's `impl`
 
         if q_lora_rank is None:
             self.wq = Dense(d_model, (H, n + r), axes=("embed", "heads", "head_dim"), rngs=rngs)
@@ -201,11 +208,14 @@ class MLA(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
         q_nope, q_rope = self._queries(x, positions)
         c, k_rope = self._latents(x, positions)
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), dtype=bool)), (B, T, T))
-        if segment_ids is not None:
-            doc = document_index(segment_ids)
-            mask = mask & (doc[:, :, None] == doc[:, None, :])
-        o = _expanded_attention(q_nope, q_rope, self.wk_up(c), k_rope, self.wv_up(c), mask, self.scale)
+        # Expanded per-head keys [nope | shared rope] (n + r wide) over v-wide values: one fused
+        # attention with unequal q/k and v widths.
+        H = self.num_heads
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        k = jnp.concatenate([self.wk_up(c), jnp.broadcast_to(k_rope[:, :, None, :].astype(c.dtype),
+                                                             (B, T, H, self.rope_dim))], axis=-1)
+        o = softmax_attention(q, k, self.wv_up(c), scale=self.scale, causal=True, segment_ids=segment_ids,
+                              impl=self.attention_impl)
         return self._output(o, x)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> MLACache:

@@ -20,11 +20,13 @@ from lineage_jax.memory.rules import (
     linear_attention,
     linear_attention_step,
 )
+from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
 from lineage_jax.memory.softmax import (
     KVCache,
     cache_read,
     init_kv_cache,
     kv_cache_from_prefill,
+    reference_attention,
     resolve_read,
     softmax_attention,
     softmax_attention_extend,
@@ -32,6 +34,7 @@ from lineage_jax.memory.softmax import (
 )
 
 __all__ = [
+    "ATTENTION_IMPLS",
     "KVCache",
     "cache_read",
     "delta_corrections",
@@ -43,6 +46,7 @@ __all__ = [
     "kda",
     "kda_step",
     "kv_cache_from_prefill",
+    "reference_attention",
     "linear_attention",
     "linear_attention_step",
     "resolve_read",

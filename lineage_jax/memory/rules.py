@@ -41,7 +41,8 @@ def _compute_dtype(*arrays: Any) -> jnp.dtype:
 def _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, chunk_size, value_cols=0):
     """Validate a sequence call. Returns ``(B, T, H, K, Vd)``."""
     V.check_mode(fn, mode)
-    V.check_chunk_size(fn, chunk_size)
+    if chunk_size is not None:  # None: the backend's own chunk
+        V.check_chunk_size(fn, chunk_size)
     V.require_rank(fn, "q", q, 4, "[B,T,H,K]")
     B, T, H, K = V.shape_of(q)
     if T == 0:
@@ -68,13 +69,23 @@ def _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode
 
 
 BACKENDS = ("auto", "xla", "pallas")
+DELTA_RESIDUALS = "delta_rule_residuals"  # = kernels.delta.RESIDUALS (memory/ imports kernels/ lazily)
+XLA_CHUNK = 64  # the XLA chunked form's chunk when ``chunk_size`` is None
+
+
+def check_backend(fn: str, backend: str, arg: str = "backend") -> str:
+    """The one check of a delta-rule backend name (``ModelConfig``, the layer and the rules use it)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: `{arg}` must be one of {BACKENDS}, got {backend!r}")
+    return backend
 
 
 def _use_pallas(fn, backend, mode, chunk_size, dt) -> bool:
     """Resolve ``backend``: "xla" (``core``), "pallas" (``kernels.delta``; on the CPU in
-    interpret mode) or "auto" (Pallas on GPU/TPU for the chunked float32 form, else XLA)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{fn}: `backend` must be one of {BACKENDS}, got {backend!r}")
+    interpret mode) or "auto" (Pallas on GPU/TPU for the chunked float32 form, else XLA).
+
+    This is the one place that decides the backend of a delta-rule call."""
+    check_backend(fn, backend)
     if backend == "xla":
         return False
     if backend == "auto":
@@ -84,22 +95,28 @@ def _use_pallas(fn, backend, mode, chunk_size, dt) -> bool:
     return True
 
 
-def _run_pallas(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, dt):
+def _run_pallas(fn, q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, dt, chunk_size, gate_lower_bound):
     from kernels.delta import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda  # memory/ -> kernels/
+    from kernels.delta.api import check_chunk_size
 
-    # The kernels pick their own chunk (tile-tuned per target); ``chunk_size`` tunes the XLA form.
-    kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids)
+    # chunk_size None: the kernels' own chunk for the target (tile-tuned); an explicit one is used.
+    if chunk_size is not None:
+        try:
+            check_chunk_size(chunk_size)
+        except ValueError as e:
+            raise ValueError(f"{fn}: {e} (or pass chunk_size=None for the kernels' own chunk)") from None
+    kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size)
     if gate == _GATE_NONE:
         o, S = chunk_delta_rule(q, k, v, beta, **kw)
     elif gate == _GATE_SCALAR:
         o, S = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
     else:
-        o, S = chunk_kda(q, k, v, g, beta, **kw)
+        o, S = chunk_kda(q, k, v, g, beta, gate_lower_bound=gate_lower_bound, **kw)
     return o.astype(jnp.result_type(q, k, v)), S.astype(dt)
 
 
 def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids, mode, chunk_size, cast=True,
-         backend="xla"):
+         backend="xla", gate_lower_bound=None):
     B, T, H, K, Vd = _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, chunk_size)
     if initial_state is not None:
         V.require_shape(fn, "initial_state", initial_state, (B, H, K, Vd), "[B,H,K,V]")
@@ -107,8 +124,8 @@ def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids
     dt = _compute_dtype(q, k, v, g, beta)
     out_dtype = jnp.result_type(q, k, v)
     if erase and _use_pallas(fn, backend, mode, chunk_size, dt):
-        return _run_pallas(q, k, v, g, beta, gate=gate, scale=scale, initial_state=initial_state,
-                           segment_ids=segment_ids, dt=dt)
+        return _run_pallas(fn, q, k, v, g, beta, gate=gate, scale=scale, initial_state=initial_state,
+                           segment_ids=segment_ids, dt=dt, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)
     x = core.RuleInputs(
         q=q.astype(dt) * scale,
         k=k.astype(dt),
@@ -121,7 +138,7 @@ def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids
     if mode == "recurrent":
         o, S = core.recurrent(x, S0, erase=erase)
     else:
-        o, S = core.chunked(x, S0, erase=erase, chunk_size=chunk_size)
+        o, S = core.chunked(x, S0, erase=erase, chunk_size=XLA_CHUNK if chunk_size is None else chunk_size)
     return (o.astype(out_dtype) if cast else o), S
 
 
@@ -139,7 +156,7 @@ def linear_attention(
     initial_state: Optional[LinearState] = None,
     segment_ids: Optional[Array] = None,
     mode: str = "chunked",
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
 ) -> tuple[Array, LinearState]:
     """Causal linear attention: ``S_t = S_{t-1} + k_tᵀ v_t``, ``o_t = q_t S_t``.
 
@@ -180,7 +197,7 @@ def delta_rule(
     initial_state: Optional[Array] = None,
     segment_ids: Optional[Array] = None,
     mode: str = "chunked",
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     backend: str = "xla",
 ) -> tuple[Array, Array]:
     """DeltaNet: ``S_t = (I − β_t k_tᵀk_t) S_{t-1} + β_t k_tᵀ v_t``, ``o_t = q_t S_t``.
@@ -188,9 +205,12 @@ def delta_rule(
     Args:
       q, k: ``[B, T, H, K]`` (keys should be L2-normalized); v: ``[B, T, H, V]``;
       beta: ``[B, T, H]`` write strengths (typically in ``(0, 1)``).
+      chunk_size: tokens per chunk of the chunked form; ``None`` (default) is each backend's
+        own (64 for XLA, the kernels' tile-tuned chunk for Pallas). An explicit size is used
+        by either backend (the kernels need a power of two >= 16 and say so otherwise).
       backend: ``"xla"`` (:mod:`.core`), ``"pallas"`` (the :mod:`kernels.delta` kernels,
-        chunked mode only, float32 arithmetic, their own chunk size; interpret mode on the
-        CPU) or ``"auto"`` (Pallas on GPU/TPU for float32-compute chunked calls, else XLA).
+        chunked mode only, float32 arithmetic; interpret mode on the CPU) or ``"auto"``
+        (Pallas on GPU/TPU for float32-compute chunked calls, else XLA).
     Returns:
       ``(o [B, T, H, V], S [B, H, K, V])``.
     """
@@ -209,7 +229,7 @@ def gated_delta_rule(
     initial_state: Optional[Array] = None,
     segment_ids: Optional[Array] = None,
     mode: str = "chunked",
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     backend: str = "xla",
 ) -> tuple[Array, Array]:
     """Gated DeltaNet: ``S_t = α_t (I − β_t k_tᵀk_t) S_{t-1} + β_t k_tᵀ v_t``, ``α_t = exp(g_t)``.
@@ -233,8 +253,9 @@ def kda(
     initial_state: Optional[Array] = None,
     segment_ids: Optional[Array] = None,
     mode: str = "chunked",
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     backend: str = "xla",
+    gate_lower_bound: Optional[float] = None,
 ) -> tuple[Array, Array]:
     """Kimi Delta Attention: ``S_t = (I − β_t k_tᵀk_t) Diag(α_t) S_{t-1} + β_t k_tᵀ v_t``.
 
@@ -242,10 +263,15 @@ def kda(
 
     Args:
       g: ``[B, T, H, K]`` per-channel log-decay, ``<= 0``.
+      gate_lower_bound: a promise that ``g >= gate_lower_bound`` everywhere (K3's bounded gate
+        ``g = −5·σ(·)`` gives ``-5.0``), in ``[-8, 0)``. The Pallas kernels then use the anchored
+        bounded-gate form (one matmul per diagonal tile instead of a 16-step loop); the XLA form
+        is exact either way and ignores it. Concrete gates below the bound are refused.
       Others as :func:`delta_rule`.
     """
     return _run("kda", q, k, v, g, beta, gate=_GATE_CHANNEL, erase=True, scale=scale,
-                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend)
+                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend,
+                gate_lower_bound=gate_lower_bound)
 
 
 # ----------------------------------------------------------------------------

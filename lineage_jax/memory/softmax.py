@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lineage_jax.memory import _validate as V
+from lineage_jax.memory import fused
 from lineage_jax.memory.segments import document_index
 
 Array = jax.Array
@@ -98,14 +99,19 @@ def _attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
 
 
 def softmax_attention(q: Array, k: Array, v: Array, *, scale: Optional[float] = None,
-                      causal: bool = True, segment_ids: Optional[Array] = None) -> Array:
-    """Softmax attention over a whole sequence.
+                      causal: bool = True, segment_ids: Optional[Array] = None, impl: str = "auto") -> Array:
+    """Softmax attention over a whole sequence, fused: no ``[B, H, T, S]`` scores are kept.
 
     Args:
-      q: ``[B, T, H, K]``; k: ``[B, S, Hkv, K]``; v: ``[B, S, Hkv, V]`` (``S = T`` when causal).
+      q: ``[B, T, H, K]``; k: ``[B, S, Hkv, K]``; v: ``[B, S, Hkv, V]`` (``S = T`` when causal;
+        ``H`` a multiple of ``Hkv``; ``V`` may differ from ``K``).
       scale: multiplies ``q`` (default ``K ** -0.5``).
       causal: token ``t`` sees keys ``<= t``.
       segment_ids: ``[B, T]``; a token sees only keys of its own contiguous segment.
+      impl: ``"xla"`` (blockwise online softmax in plain JAX, any backend), ``"cudnn"`` (cuDNN
+        flash attention: NVIDIA GPUs, bf16/fp16), ``"pallas"`` (JAX's Pallas flash kernels: Triton
+        on GPUs, interpret mode on the CPU, Mosaic on TPUs) or ``"auto"`` (cuDNN on a GPU when it
+        supports the call, Pallas on a TPU, else XLA). See :mod:`lineage_jax.memory.fused`.
     Returns:
       ``o [B, T, H, V]``.
     """
@@ -118,6 +124,8 @@ def softmax_attention(q: Array, k: Array, v: Array, *, scale: Optional[float] = 
     V.require_shape(fn, "k", k, (B, S, Hk, K), "[B,S,Hkv,K] (B, K as in q)")
     if V.shape_of(v)[:3] != (B, S, Hk):
         raise ValueError(f"{fn}: `v` must have shape [B,S,Hkv,V] with B,S,Hkv = {(B, S, Hk)}, got {V.shape_of(v)}")
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        V.require_float(fn, name, a)
     _check_heads(fn, H, Hk)
     if causal and S != T:
         raise ValueError(f"{fn}: causal attention needs as many keys as queries; `k` has S={S}, `q` has T={T}")
@@ -125,6 +133,18 @@ def softmax_attention(q: Array, k: Array, v: Array, *, scale: Optional[float] = 
         raise ValueError(f"{fn}: `segment_ids` needs S == T, got S={S}, T={T}")
     V.check_segment_ids(fn, segment_ids, B, T)
     scale = V.resolve_scale(fn, scale, K)
+    doc = None if segment_ids is None else document_index(segment_ids)
+    return fused.attention(q, k, v, scale=scale, causal=bool(causal), doc_q=doc, doc_k=doc, impl=impl, fn=fn)
+
+
+def reference_attention(q: Array, k: Array, v: Array, *, scale: Optional[float] = None, causal: bool = True,
+                        segment_ids: Optional[Array] = None) -> Array:
+    """The unfused form of :func:`softmax_attention`: the whole ``[B, H, T, S]`` score matrix at once.
+
+    For tests and small problems; same arguments and dtype policy, no ``impl``."""
+    B, T, H, K = V.shape_of(q)
+    S = V.shape_of(k)[1]
+    scale = V.resolve_scale("reference_attention", scale, K)
     mask = jnp.ones((1, 1, T, S), dtype=bool)
     if causal:
         mask = mask & jnp.tril(jnp.ones((T, S), dtype=bool))

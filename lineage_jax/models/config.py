@@ -16,10 +16,18 @@ import math
 import numbers
 from typing import Any, Optional
 
+from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
+from lineage_jax.memory.rules import BACKENDS
 from lineage_jax.memory.softmax import READS
 
 MIXERS = {"S": "softmax", "L": "linear", "D": "deltanet", "G": "gdn", "K": "kda", "M": "mla"}
 FFN_KINDS = ("gelu", "swiglu", "situ")
+# What a layer group keeps for the backward pass (lineage_jax.models.decoder.remat_policy):
+#   "none": everything (no rematerialisation; fastest, most memory);
+#   "dots": the outputs of the weight matmuls (projections, FFN); elementwise ops, norms and
+#           the attention / delta-rule kernels are recomputed;
+#   "full": only the layer group's input (least memory; the whole forward runs twice).
+REMAT_POLICIES = ("none", "dots", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,16 +62,16 @@ class ModelConfig:
     capacity_factor: float = 1.25
     # Fixed-state mixers (L, D, G, K).
     conv_size: int = 4
-    chunk_size: int = 64
+    chunk_size: Optional[int] = None  # chunk of the delta rules' chunked form; None: each backend's own
     kda_gate: str = "softplus"  # "softplus" (Kimi Linear) | "bounded" (K3: −5·σ(exp(A)·z))
     kda_gate_rank: Optional[int] = None  # default head_dim
     kda_output_gate: str = "lowrank"  # "lowrank" (Kimi Linear) | "full" (K3) | "none" (diagnostic)
     decay_a_init: str = "default"  # GDN / KDA decay scale at init: "default" | "unit" (A = 1; diagnostic)
     gdn_output_gate: str = "silu"  # GDN's full output gate: "silu" (fla's GatedDeltaNet) | "sigmoid" | "none"
-    # Chunked form of the delta rules (D, G, K) in training / prefill: "xla" (lineage_jax.memory's
-    # chunked form), "pallas" (the kernels.delta kernels: Triton on GPU, Mosaic on TPU, interpret
-    # mode on CPU) or "auto" (Pallas on GPU/TPU for float32 activations, else XLA; see memory.rules).
-    memory_backend: str = "xla"
+    # Chunked form of the delta rules (D, G, K) in training / prefill: "auto" (the kernels.delta Pallas
+    # kernels on GPU/TPU, lineage_jax.memory's XLA chunked form on the CPU), "xla" or "pallas"
+    # (interpret mode on the CPU). Decided in one place: memory.rules._use_pallas.
+    memory_backend: str = "auto"
     # MLA (M).
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 0
@@ -78,12 +86,22 @@ class ModelConfig:
     # How decode steps read softmax / MLA caches: "auto" | "dot" (einsum) | "reduce" (multiply-and-
     # reduce, no transposed copy of the cache); see lineage_jax.memory.resolve_read.
     decode_read: str = "auto"
-    remat: bool = False
+    # Fused attention of softmax and MLA layers in training / prefill: "auto" | "xla" | "cudnn" |
+    # "pallas" (lineage_jax.memory.softmax_attention's `impl`).
+    attention_impl: str = "auto"
+    # Rematerialisation policy of each layer group (REMAT_POLICIES): "none" | "full" | "dots".
+    # True / False (older configs) mean "full" / "none".
+    remat: str = "none"
     scan_layers: bool = True
     scan_period: Optional[int] = None  # macrocycle length for lax.scan (default: smallest period of the pattern)
     dtype: str = "float32"  # activation dtype ("float32" | "bfloat16"); parameters stay float32
 
     def __post_init__(self):
+        # Older configs and `--set remat=true` spell the policy as a bool.
+        legacy = {True: "full", False: "none", "true": "full", "false": "none"}
+        if isinstance(self.remat, (bool, str)) and self.remat in legacy and not (
+                isinstance(self.remat, str) and self.remat in REMAT_POLICIES):
+            object.__setattr__(self, "remat", legacy[self.remat])
         validate(self)
 
     # ------------------------------------------------------------------ derived
@@ -122,8 +140,10 @@ def validate(c: ModelConfig) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             _fail(field, f"must be a positive int, got {v!r}")
 
-    for f in ("vocab_size", "d_model", "num_heads", "max_seq_len", "chunk_size"):
+    for f in ("vocab_size", "d_model", "num_heads", "max_seq_len"):
         positive(f)
+    if c.chunk_size is not None:
+        positive("chunk_size")
     if not c.pattern:
         _fail("pattern", "is empty; give one letter per layer")
     bad = sorted(set(c.pattern) - set(MIXERS))
@@ -176,8 +196,12 @@ def validate(c: ModelConfig) -> None:
         _fail("conv_size", f"must be 0 (none) or >= 2, got {c.conv_size}")
     if c.kda_gate not in ("softplus", "bounded"):
         _fail("kda_gate", f"must be 'softplus' or 'bounded', got {c.kda_gate!r}")
-    if c.memory_backend not in ("xla", "pallas", "auto"):
-        _fail("memory_backend", f"must be 'xla', 'pallas' or 'auto', got {c.memory_backend!r}")
+    if c.memory_backend not in BACKENDS:
+        _fail("memory_backend", f"must be one of {BACKENDS}, got {c.memory_backend!r}")
+    if c.attention_impl not in ATTENTION_IMPLS:
+        _fail("attention_impl", f"must be one of {ATTENTION_IMPLS}, got {c.attention_impl!r}")
+    if c.remat not in REMAT_POLICIES:
+        _fail("remat", f"must be one of {REMAT_POLICIES} (or a bool: True = 'full'), got {c.remat!r}")
     if c.kda_output_gate not in ("lowrank", "full", "none"):
         _fail("kda_output_gate", f"must be 'lowrank', 'full' or 'none', got {c.kda_output_gate!r}")
     if c.decode_read not in READS:

@@ -31,6 +31,8 @@ from lineage_jax.layers.ffn import MLP
 from lineage_jax.layers.memory_mixer import MemoryMixer
 from lineage_jax.layers.mla import MLA
 from lineage_jax.layers.moe import MoE
+from lineage_jax.memory.fused import RESIDUALS as ATTENTION_RESIDUALS
+from lineage_jax.memory.rules import DELTA_RESIDUALS
 from lineage_jax.models.config import MIXERS, ModelConfig
 
 Array = jax.Array
@@ -55,12 +57,14 @@ def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
         return Attention(cfg.d_model, num_heads=cfg.num_heads, head_dim=hd, num_kv_heads=cfg.num_kv_heads,
                          use_bias=cfg.attn_bias, rngs=rngs, std=0.02 if gpt2_init else None,
                          out_std=0.02 / (2 * cfg.num_layers) ** 0.5 if gpt2_init else None,
-                         rope_theta=cfg.rope_theta if cfg.positions == "rope" else None, decode_read=cfg.decode_read)
+                         rope_theta=cfg.rope_theta if cfg.positions == "rope" else None, decode_read=cfg.decode_read,
+                         attention_impl=cfg.attention_impl)
     if kind == "mla":
         return MLA(cfg.d_model, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
                    qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
                    v_head_dim=cfg.v_head_dim, use_rope=cfg.mla_rope, rope_theta=cfg.rope_theta,
-                   output_gate=cfg.mla_output_gate, rngs=rngs, decode_read=cfg.decode_read)
+                   output_gate=cfg.mla_output_gate, rngs=rngs, decode_read=cfg.decode_read,
+                   attention_impl=cfg.attention_impl)
     return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
                        conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
                        gate_rank=cfg.kda_gate_rank, a_init=cfg.decay_a_init, chunk_size=cfg.chunk_size,
@@ -234,6 +238,25 @@ def stacked_macro(cfg: ModelConfig, first: int, period: int, repeats: int, *, rn
 
 
 # ---------------------------------------------------------------------------- the model
+def remat_policy(name: str):
+    """``ModelConfig.remat`` -> ``None`` (no ``jax.checkpoint``) or a ``jax.checkpoint`` policy.
+
+    "full" saves nothing inside a layer group (``nothing_saveable``); "dots" saves the outputs of
+    matmuls without batch dimensions — the weight projections and FFN matmuls
+    (``dots_with_no_batch_dims_saveable``) — and the residuals the delta-rule kernels and the
+    blockwise attention name (``kernels.delta.RESIDUALS``, ``memory.fused.RESIDUALS``), and
+    recomputes elementwise work and norms (and cuDNN's attention forward) in the backward pass."""
+    if name == "none":
+        return None
+    if name == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if name == "dots":
+        return jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.save_only_these_names(DELTA_RESIDUALS, ATTENTION_RESIDUALS))
+    raise ValueError(f"remat_policy: unknown policy {name!r}")
+
+
 def _scan_with_cache(body, carry, state, stacked_cache, idx):
     """Scan ``body`` over a stacked layer group with its caches in the *carry*, each layer's
     slice read and written back in place (``dynamic_update_index_in_dim``).
@@ -309,8 +332,9 @@ class Decoder(nnx.Module):
                 st, cache, idx = xs
                 return nnx.merge(graphdef, st).run(stream, carry, cache, idx, mode, segment_ids)
 
-            if self.cfg.remat:
-                body = jax.checkpoint(body, static_argnums=())
+            policy = remat_policy(self.cfg.remat)
+            if policy is not None:
+                body = jax.checkpoint(body, policy=policy)
             if n == 1:
                 carry, cache, stats = body(carry, (state, group_cache, first))
             else:

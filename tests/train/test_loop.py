@@ -99,7 +99,7 @@ def test_resume_refuses_different_settings(tmp_path):
 def test_overrides_parse_types_and_reject_unknown_keys():
     tc, mc = apply_overrides(TrainConfig(), get_config("tiny_gpt2"),
                              ["lr=0.01", "steps=7", "d_model=32", "model.remat=true", "moe_bias_rule=none"])
-    assert tc.lr == 0.01 and tc.steps == 7 and mc.d_model == 32 and mc.remat is True and tc.moe_bias_rule == "none"
+    assert tc.lr == 0.01 and tc.steps == 7 and mc.d_model == 32 and mc.remat == "full" and tc.moe_bias_rule == "none"
     with pytest.raises(ValueError, match="valid keys"):
         apply_overrides(TrainConfig(), get_config("tiny_gpt2"), ["learning_rate=1"])
     with pytest.raises(ValueError, match="type int"):

@@ -1,0 +1,344 @@
+"""Training throughput on one accelerator: the lineage's architectures against plain JAX, in one process.
+
+Every row trains the same size of model on the same batch with the same optimizer (AdamW,
+float32 master weights, bfloat16 activations), through the library's own jitted train step
+(``lineage_jax.train.step``) — except ``reference``, a plain-JAX transformer written in this
+file (:func:`reference_step`: scanned layers, RoPE, SwiGLU, ``jax.nn.dot_product_attention``,
+no library code), the yardstick a researcher would otherwise write in ninety lines.
+
+Rows (12 layers, d 2048, 16 heads x 128, SwiGLU 5632, byte vocabulary at the default size):
+
+=============  ================================================================
+``reference``  plain JAX (cuDNN attention on GPUs, XLA elsewhere)
+``softmax``    ``S`` x 12 with RoPE
+``hybrid``     ``KKKM`` x 3: KDA + MLA, the Kimi Linear 3:1 pattern, dense FFNs
+``mla``        ``M`` x 12 (kv_lora 512, nope 128 + rope 64, v 128)
+``kda``        ``K`` x 12
+``gdn``        ``G`` x 12
+``moe``        ``KKKM`` x 3 with MoE FFNs after the first layer: 64 experts, top 8, one shared
+               expert, expert width chosen so the active parameters equal the dense rows'
+=============  ================================================================
+
+Per row and batch shape it reports tokens/s (median over windows of ``--window`` steps, each
+synchronized, after ``--warmup`` steps), model FLOP utilisation (``3 ×
+accounting.flops_per_token`` per token over the device's dense bf16 peak) and the step's memory
+as XLA assigned it (arguments + temporaries of the compiled step). A row that does not fit is
+recorded as ``"oom"`` and the run goes on. Writes ``train_bench.json`` and a bar chart
+``train_bench.png`` (tokens/s per row, one group per shape, the reference's as a line).
+
+Usage::
+
+    python -m experiments.train_bench                               # every row, 4x4096 and 1x32768
+    python -m experiments.train_bench --rows reference,softmax --shapes 8x4096 --remat dots
+    python -m experiments.train_bench --quick                       # tiny sizes: a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import traceback
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from experiments import common as C
+from lineage_jax import accounting
+from lineage_jax.models import ModelConfig
+from lineage_jax.models.config import REMAT_POLICIES
+from lineage_jax.train.config import TrainConfig
+from lineage_jax.train.loop import peak_flops
+from lineage_jax.train.step import init_state, jit_steps
+
+NAME = "train_bench"
+ROWS = ("reference", "softmax", "hybrid", "mla", "kda", "gdn", "moe")
+DEFAULT_SHAPES = "4x4096,1x32768"
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    layers: int = 12
+    d_model: int = 2048
+    heads: int = 16
+    head_dim: int = 128
+    ffn: int = 5632
+    vocab: int = 256
+    experts: int = 64
+    top_k: int = 8
+
+
+QUICK = Size(layers=4, d_model=64, heads=4, head_dim=16, ffn=128, vocab=256, experts=8, top_k=2)
+
+
+def model_config(row: str, size: Size, remat: str, attention_impl: str = "auto",
+                 memory_backend: str = "auto") -> ModelConfig:
+    """The library's config of ``row`` at ``size`` (``reference`` maps to the softmax row's config,
+    used for its FLOP count)."""
+    L = size.layers
+    mla = dict(kv_lora_rank=4 * size.head_dim, qk_nope_head_dim=size.head_dim, qk_rope_head_dim=size.head_dim // 2,
+               v_head_dim=size.head_dim)
+    pattern = {"reference": "S" * L, "softmax": "S" * L, "hybrid": "KKKM" * (L // 4), "mla": "M" * L,
+               "kda": "K" * L, "gdn": "G" * L, "moe": "KKKM" * (L // 4)}[row]
+    kw = dict(name=f"train_bench_{row}", vocab_size=size.vocab, d_model=size.d_model, pattern=pattern,
+              num_heads=size.heads, head_dim=size.head_dim, ffn_kind="swiglu", ffn_hidden=size.ffn,
+              norm="rmsnorm", dtype="bfloat16", remat=remat, attention_impl=attention_impl,
+              memory_backend=memory_backend, max_seq_len=1 << 20)
+    if row in ("reference", "softmax"):
+        kw["positions"] = "rope"
+    if "M" in pattern:
+        kw.update(mla)
+    if row == "moe":
+        # Active FFN parameters per token = the dense rows': (top_k + shared) experts of width h.
+        hidden = max(16, int(round(size.ffn / (size.top_k + 1) / 16)) * 16)
+        kw.update(num_experts=size.experts, top_k=size.top_k, moe_hidden=hidden, num_shared_experts=1,
+                  first_dense_layers=1)
+    return ModelConfig(**kw)
+
+
+# ---------------------------------------------------------------------------- the plain-JAX reference
+def reference_init(key, size: Size):
+    """Parameters of the reference transformer (float32), layers stacked for ``lax.scan``."""
+    L, D, H, Dh, F, V = size.layers, size.d_model, size.heads, size.head_dim, size.ffn, size.vocab
+    ks = jax.random.split(key, 8)
+    n = lambda k, shape, fan_in: jax.random.normal(k, shape, jnp.float32) * fan_in ** -0.5
+    return {
+        "embed": jax.random.normal(ks[0], (V, D), jnp.float32) * 0.02,
+        "layers": {"ln1": jnp.ones((L, D)), "ln2": jnp.ones((L, D)),
+                   "wqkv": n(ks[1], (L, D, 3, H, Dh), D), "wo": n(ks[2], (L, H, Dh, D), H * Dh),
+                   "wg": n(ks[3], (L, D, F), D), "wu": n(ks[4], (L, D, F), D), "wd": n(ks[5], (L, F, D), F)},
+        "ln_f": jnp.ones((D,)), "head": n(ks[6], (D, V), D),
+    }
+
+
+def _rms(x, w):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * w).astype(jnp.bfloat16)
+
+
+def _rope(x, theta=10000.0):
+    T, half = x.shape[1], x.shape[-1] // 2
+    ang = jnp.arange(T)[:, None] * theta ** (-jnp.arange(half) / half)
+    cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def reference_loss(params, tokens, targets, remat: str):
+    bf = jnp.bfloat16
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+    def layer(h, p):
+        x = _rms(h, p["ln1"])
+        q, k, v = jnp.einsum("btd,dchk->cbthk", x, p["wqkv"].astype(bf))
+        o = jax.nn.dot_product_attention(_rope(q), _rope(k), v, is_causal=True, implementation=impl)
+        h = h + jnp.einsum("bthk,hkd->btd", o, p["wo"].astype(bf))
+        x = _rms(h, p["ln2"])
+        f = jax.nn.silu(x @ p["wg"].astype(bf)) * (x @ p["wu"].astype(bf))
+        return h + f @ p["wd"].astype(bf), None
+
+    from lineage_jax.models.decoder import remat_policy
+    policy = remat_policy(remat)
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy)
+    h = params["embed"][tokens].astype(bf)
+    h, _ = jax.lax.scan(layer, h, params["layers"])
+    logits = _rms(h, params["ln_f"]).astype(jnp.float32) @ params["head"]
+    logp = jax.nn.log_softmax(logits, -1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+
+
+def reference_step(size: Size, remat: str, tx):
+    """``(state, jitted step)`` of the plain-JAX reference: ``step(state, batch) -> (state, loss)``."""
+    params = reference_init(jax.random.key(0), size)
+    state = (params, tx.init(params))
+
+    def step(state, batch):
+        params, opt = state
+        loss, grads = jax.value_and_grad(reference_loss)(params, batch["tokens"], batch["targets"], remat)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), {"loss": loss}
+
+    return state, jax.jit(step, donate_argnums=(0,))
+
+
+# ---------------------------------------------------------------------------- measurement
+def _batch(B: int, T: int, vocab: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, vocab, size=(B, T + 1), dtype=np.int32)
+    return {"tokens": jnp.asarray(data[:, :-1]), "targets": jnp.asarray(data[:, 1:])}
+
+
+def _memory(compiled) -> Optional[int]:
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+                   - m.alias_size_in_bytes)
+    except Exception:
+        return None
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def measure(row: str, B: int, T: int, size: Size, *, remat: str, steps: int, warmup: int, window: int,
+            attention_impl: str = "auto", memory_backend: str = "auto", bar=None) -> dict:
+    """Train ``row`` at batch ``B x T`` for ``warmup + steps`` steps; tokens/s, MFU, memory."""
+    cfg = model_config(row, size, remat, attention_impl, memory_backend)
+    tc = TrainConfig(config="custom", batch_size=B, seq_len=T, lr=1e-4, warmup_steps=0, moe_bias_rule="none",
+                     progress=False)
+    batch = _batch(B, T, size.vocab)
+    t0 = time.perf_counter()
+    if row == "reference":
+        tx = optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+        state, step = reference_step(size, remat, tx)
+    else:
+        graphdef, state, tx = init_state(cfg, tc)
+        step, _ = jit_steps(graphdef, tx, tc, state)
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    mem = _memory(compiled)
+    losses, times = [], []
+    for i in range(warmup):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(state)
+    n_windows = max(1, steps // window)
+    for _ in range(n_windows):
+        t = time.perf_counter()
+        for _ in range(window):
+            state, metrics = compiled(state, batch)
+        losses.append(float(metrics["loss"]))  # synchronizes
+        times.append((time.perf_counter() - t) / window)
+        if bar is not None:
+            bar.update(window)
+    step_s = statistics.median(times)
+    tokens_s = B * T / step_s
+    flops = 3 * accounting.flops_per_token(cfg, T)
+    peak = peak_flops()
+    del state, compiled, step
+    return {"row": row, "batch": B, "seq_len": T, "remat": remat, "status": "ok", "step_s": step_s,
+            "tokens_per_s": tokens_s, "mfu": tokens_s * flops / peak if peak else None,
+            "memory_bytes": mem, "compile_s": compile_s, "losses": losses,
+            "params": accounting.param_counts(cfg)}
+
+
+def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), shapes: str = DEFAULT_SHAPES,
+        remat: str = "dots", steps: int = 20, warmup: int = 3, window: int = 5, attention_impl: str = "auto",
+        memory_backend: str = "auto") -> dict:
+    names = [r.strip() for r in rows.split(",") if r.strip()]
+    bad = sorted(set(names) - set(ROWS))
+    if bad or not names:
+        raise ValueError(f"--rows: unknown row(s) {bad}; choose from {', '.join(ROWS)}")
+    remats = [r.strip() for r in remat.split(",")]
+    for r in remats:
+        if r not in REMAT_POLICIES:
+            raise ValueError(f"--remat: {r!r} is not one of {REMAT_POLICIES}")
+    try:
+        shape_list = [tuple(int(n) for n in s.lower().split("x")) for s in shapes.split(",") if s.strip()]
+        assert shape_list and all(len(s) == 2 and min(s) > 0 for s in shape_list)
+    except (ValueError, AssertionError):
+        raise ValueError(f"--shapes: expected BxT pairs like '4x4096,1x32768', got {shapes!r}") from None
+    size = QUICK if quick else Size()
+    if quick:
+        shape_list = [(2, 64)]
+        steps, warmup, window = 4, 1, 2
+    record = C.provenance(NAME, quick)
+    record.update(size=dataclasses.asdict(size), shapes=shape_list, remat=remats, steps=steps, warmup=warmup,
+                  attention_impl=attention_impl, memory_backend=memory_backend, results=[])
+    jobs = [(r, B, T, rm) for (B, T) in shape_list for rm in remats for r in names]
+    n_windows = max(1, steps // window)
+    with C.progress(total=len(jobs) * n_windows * window, desc="train_bench", unit="step") as bar:
+        for row, B, T, rm in jobs:
+            bar.set_postfix_str(f"{row} {B}x{T} remat={rm}")
+            try:
+                res = measure(row, B, T, size, remat=rm, steps=steps, warmup=warmup, window=window,
+                              attention_impl=attention_impl, memory_backend=memory_backend, bar=bar)
+            except Exception as e:  # one row failing (out of memory, an unsupported kernel) must not end the run
+                res = {"row": row, "batch": B, "seq_len": T, "remat": rm,
+                       "status": "oom" if _is_oom(e) else "error",
+                       "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+                if res["status"] == "error":
+                    traceback.print_exc()
+                bar.update(n_windows * window)
+            record["results"].append(res)
+            jax.clear_caches()
+            C.save_partial(record, NAME, out)
+    _ratios(record)
+    return C.finish(record, NAME, out, plot(record))
+
+
+def _ratios(record: dict) -> None:
+    """Each row's tokens/s over the reference's at the same shape and remat (when both ran)."""
+    ref = {(r["batch"], r["seq_len"], r["remat"]): r.get("tokens_per_s") for r in record["results"]
+           if r["row"] == "reference" and r["status"] == "ok"}
+    for r in record["results"]:
+        base = ref.get((r["batch"], r["seq_len"], r["remat"]))
+        r["vs_reference"] = r["tokens_per_s"] / base if base and r["status"] == "ok" else None
+
+
+def plot(record: dict):
+    import matplotlib.pyplot as plt
+
+    results = record["results"]
+    groups = sorted({(r["batch"], r["seq_len"], r["remat"]) for r in results})
+    rows = [r for r in ROWS if any(x["row"] == r for x in results)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows) * len(groups)), 4.5))
+    width = 0.8 / max(1, len(rows))
+    for i, row in enumerate(rows):
+        xs, ys = [], []
+        for g, key in enumerate(groups):
+            hit = [x for x in results if x["row"] == row and (x["batch"], x["seq_len"], x["remat"]) == key]
+            xs.append(g + i * width)
+            ys.append(hit[0].get("tokens_per_s") or 0.0 if hit else 0.0)
+        ax.bar(xs, [y / 1e3 for y in ys], width, label=row)
+        for x, y in zip(xs, ys):
+            if y == 0.0:
+                ax.text(x, 0, "OOM/err", rotation=90, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+    ax.set_xticklabels([f"{b}x{t}\nremat={rm}" for b, t, rm in groups])
+    ax.set_ylabel("tokens / s (thousands)")
+    dev = record["device"]["description"]
+    ax.set_title(f"Training throughput, d {record['size']['d_model']}, {record['size']['layers']} layers ({dev})")
+    ax.legend(fontsize=8, ncol=2)
+    return fig
+
+
+def table(record: dict) -> str:
+    rows = []
+    for r in record["results"]:
+        if r["status"] == "ok":
+            rows.append([r["row"], f"{r['batch']}x{r['seq_len']}", r["remat"], f"{r['tokens_per_s'] / 1e3:.1f}K",
+                         "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+                         "-" if r.get("vs_reference") is None else f"{r['vs_reference']:.2f}x",
+                         "-" if r["memory_bytes"] is None else C.fmt_bytes(r["memory_bytes"]),
+                         f"{r['compile_s']:.0f}s"])
+        else:
+            rows.append([r["row"], f"{r['batch']}x{r['seq_len']}", r["remat"], r["status"], "-", "-", "-", "-"])
+    return C.format_table(["row", "batch", "remat", "tokens/s", "MFU", "vs ref", "memory", "compile"], rows,
+                          title=f"train_bench on {record['device']['description']}")
+
+
+def main(argv=None):
+    p = C.make_parser(NAME, __doc__.split("\n")[0])
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows from {', '.join(ROWS)}")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated BxT batch shapes (default: %(default)s)")
+    p.add_argument("--remat", default="dots",
+                   help=f"remat policy, or several comma-separated, from {', '.join(REMAT_POLICIES)} (default: dots)")
+    p.add_argument("--steps", type=C.positive_int, default=20, help="timed steps per row (default: %(default)s)")
+    p.add_argument("--warmup", type=C.positive_int, default=3, help="untimed steps after compiling (default: 3)")
+    p.add_argument("--window", type=C.positive_int, default=5,
+                   help="steps per timing window; the median window is reported (default: 5)")
+    p.add_argument("--attention-impl", dest="attention_impl", default="auto",
+                   help="ModelConfig.attention_impl of the library rows (default: auto)")
+    p.add_argument("--memory-backend", dest="memory_backend", default="auto",
+                   help="ModelConfig.memory_backend of the library rows (default: auto)")
+    return C.main_for(NAME, p, run, table, argv)
+
+
+if __name__ == "__main__":
+    main()
