@@ -23,7 +23,8 @@ Per row and batch shape it reports tokens/s (median over windows of ``--window``
 synchronized, after ``--warmup`` steps), model FLOP utilisation (``3 ×
 accounting.flops_per_token`` per token over the device's dense bf16 peak) and the step's memory
 as XLA assigned it (arguments + temporaries of the compiled step). A row that does not fit is
-recorded as ``"oom"`` and the run goes on. Writes ``train_bench.json`` and a bar chart
+recorded as ``"oom"`` and the run goes on. ``--isolate`` runs each row in a fresh process (the
+default keeps every row in one process). Writes ``train_bench.json`` and a bar chart
 ``train_bench.png`` (tokens/s per row, one group per shape, the reference's as a line).
 
 Usage::
@@ -50,7 +51,7 @@ from experiments import common as C
 from lineage_jax import accounting
 from lineage_jax.models import ModelConfig
 from lineage_jax.models.config import REMAT_POLICIES
-from lineage_jax.train.config import TrainConfig
+from lineage_jax.train.config import TrainConfig, apply_overrides
 from lineage_jax.train.loop import peak_flops
 from lineage_jax.train.step import init_state, jit_steps
 
@@ -75,7 +76,7 @@ QUICK = Size(layers=4, d_model=64, heads=4, head_dim=16, ffn=128, vocab=256, exp
 
 
 def model_config(row: str, size: Size, remat: str, attention_impl: str = "auto",
-                 memory_backend: str = "auto") -> ModelConfig:
+                 memory_backend: str = "auto", overrides: tuple = ()) -> ModelConfig:
     """The library's config of ``row`` at ``size`` (``reference`` maps to the softmax row's config,
     used for its FLOP count)."""
     L = size.layers
@@ -96,7 +97,10 @@ def model_config(row: str, size: Size, remat: str, attention_impl: str = "auto",
         hidden = max(16, int(round(size.ffn / (size.top_k + 1) / 16)) * 16)
         kw.update(num_experts=size.experts, top_k=size.top_k, moe_hidden=hidden, num_shared_experts=1,
                   first_dense_layers=1)
-    return ModelConfig(**kw)
+    cfg = ModelConfig(**kw)
+    if overrides:
+        _, cfg = apply_overrides(TrainConfig(), cfg, [f"model.{o}" for o in overrides])
+    return cfg
 
 
 # ---------------------------------------------------------------------------- the plain-JAX reference
@@ -187,9 +191,9 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def measure(row: str, B: int, T: int, size: Size, *, remat: str, steps: int, warmup: int, window: int,
-            attention_impl: str = "auto", memory_backend: str = "auto", bar=None) -> dict:
+            attention_impl: str = "auto", memory_backend: str = "auto", overrides: tuple = (), bar=None) -> dict:
     """Train ``row`` at batch ``B x T`` for ``warmup + steps`` steps; tokens/s, MFU, memory."""
-    cfg = model_config(row, size, remat, attention_impl, memory_backend)
+    cfg = model_config(row, size, remat, attention_impl, memory_backend, overrides)
     tc = TrainConfig(config="custom", batch_size=B, seq_len=T, lr=1e-4, warmup_steps=0, moe_bias_rule="none",
                      progress=False)
     batch = _batch(B, T, size.vocab)
@@ -227,9 +231,36 @@ def measure(row: str, B: int, T: int, size: Size, *, remat: str, steps: int, war
             "params": accounting.param_counts(cfg)}
 
 
+def _isolated(row, B, T, remat, *, steps, warmup, window, attention_impl, memory_backend, overrides, quick) -> dict:
+    """One measurement in a fresh Python process (its own allocator: no fragmentation left by
+    earlier rows), read back from that process's JSON."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "experiments.train_bench", "--rows", row, "--shapes", f"{B}x{T}", "--remat", remat,
+               "--steps", str(steps), "--warmup", str(warmup), "--window", str(window), "--attention-impl",
+               attention_impl, "--memory-backend", memory_backend, "--out", tmp] + (["--quick"] if quick else [])
+        for o in overrides:
+            cmd += ["--set", o]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(C.REPO_ROOT))
+        try:
+            with open(f"{tmp}/{NAME}/{NAME}.json") as f:
+                return json.load(f)["results"][0]
+        except (OSError, ValueError, KeyError, IndexError):
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+            return {"row": row, "batch": B, "seq_len": T, "remat": remat, "status": "error",
+                    "error": f"subprocess exited {proc.returncode}: {tail[0][:300]}"}
+
+
 def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), shapes: str = DEFAULT_SHAPES,
         remat: str = "dots", steps: int = 20, warmup: int = 3, window: int = 5, attention_impl: str = "auto",
-        memory_backend: str = "auto") -> dict:
+        memory_backend: str = "auto", overrides: Optional[list] = None, isolate: bool = False) -> dict:
+    overrides = tuple(overrides or ())
+    for o in overrides:  # checked before anything runs
+        model_config("hybrid", QUICK, "none", overrides=(o,))
     names = [r.strip() for r in rows.split(",") if r.strip()]
     bad = sorted(set(names) - set(ROWS))
     if bad or not names:
@@ -249,15 +280,25 @@ def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), s
         steps, warmup, window = 4, 1, 2
     record = C.provenance(NAME, quick)
     record.update(size=dataclasses.asdict(size), shapes=shape_list, remat=remats, steps=steps, warmup=warmup,
-                  attention_impl=attention_impl, memory_backend=memory_backend, results=[])
+                  attention_impl=attention_impl, memory_backend=memory_backend, overrides=list(overrides),
+                  isolate=bool(isolate), results=[])
     jobs = [(r, B, T, rm) for (B, T) in shape_list for rm in remats for r in names]
     n_windows = max(1, steps // window)
     with C.progress(total=len(jobs) * n_windows * window, desc="train_bench", unit="step") as bar:
         for row, B, T, rm in jobs:
             bar.set_postfix_str(f"{row} {B}x{T} remat={rm}")
+            if isolate:
+                res = _isolated(row, B, T, rm, steps=steps, warmup=warmup, window=window,
+                                attention_impl=attention_impl, memory_backend=memory_backend, overrides=overrides,
+                                quick=quick)
+                bar.update(n_windows * window)
+                record["results"].append(res)
+                C.save_partial(record, NAME, out)
+                continue
             try:
                 res = measure(row, B, T, size, remat=rm, steps=steps, warmup=warmup, window=window,
-                              attention_impl=attention_impl, memory_backend=memory_backend, bar=bar)
+                              attention_impl=attention_impl, memory_backend=memory_backend, overrides=overrides,
+                              bar=bar)
             except Exception as e:  # one row failing (out of memory, an unsupported kernel) must not end the run
                 res = {"row": row, "batch": B, "seq_len": T, "remat": rm,
                        "status": "oom" if _is_oom(e) else "error",
@@ -337,6 +378,11 @@ def main(argv=None):
                    help="ModelConfig.attention_impl of the library rows (default: auto)")
     p.add_argument("--memory-backend", dest="memory_backend", default="auto",
                    help="ModelConfig.memory_backend of the library rows (default: auto)")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each row in its own process (one allocator per row: on one H200 a 45 GiB step "
+                        "buffer failed to allocate after three other rows in the same process, and fit alone)")
+    p.add_argument("--set", dest="overrides", action="append", metavar="FIELD=VALUE",
+                   help="a ModelConfig field for every library row, e.g. --set moe_dispatch=capacity (repeatable)")
     return C.main_for(NAME, p, run, table, argv)
 
 

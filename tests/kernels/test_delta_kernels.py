@@ -22,6 +22,8 @@ import pytest
 
 from kernels.delta import api as kd
 from lineage_jax import memory as M
+from kernels.delta.api import RESIDUALS
+from lineage_jax.memory.rules import DELTA_RESIDUALS
 
 B, T, H, K, V = 2, 75, 2, 16, 16  # odd T: 3 chunks of 32 (GPU flavour), 2 of 64 (TPU flavour)
 RULES = ("delta", "gdn", "kda", "kda_bounded")  # kda_bounded: chunk_kda(..., gate_lower_bound=-5)
@@ -250,3 +252,8 @@ def test_gate_lower_bound_errors():
         kd.chunk_kda(q, k, v, jnp.maximum(g, -5.0), beta, gate_lower_bound=-20.0)
     with pytest.raises(ValueError, match="per-channel"):  # scalar gates need no bound
         kd.chunk_gated_delta_rule(q, k, v, gs, beta, gate_lower_bound=BOUND)
+
+
+def test_residual_names_agree():
+    """The remat policy names the kernels' residuals through lineage_jax.memory (no import cycle)."""
+    assert RESIDUALS == DELTA_RESIDUALS

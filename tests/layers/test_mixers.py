@@ -216,3 +216,37 @@ def test_fresh_kda_gate_can_learn(gate):
 def test_attention_decode_read_is_checked():
     with pytest.raises(ValueError, match="decode_read"):
         make("softmax", decode_read="einsum")
+
+
+def test_bounded_kda_gate_and_chunk_size_reach_the_kernel(monkeypatch):
+    """The layer passes K3's bound (``gate_lower_bound = -gate_bound``) and its chunk size to the
+    Pallas kernel; a chunk the kernels cannot tile is refused naming ``chunk_size``."""
+    import kernels.delta as kd
+
+    seen = {}
+    real = kd.chunk_kda
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kd, "chunk_kda", spy)
+    x = jax.random.normal(jax.random.key(0), (1, 20, 32))
+    for gate, bound in (("bounded", -5.0), ("softplus", None)):
+        seen.clear()
+        m = MemoryMixer(32, rule="kda", num_heads=2, head_dim=16, kda_gate=gate, chunk_size=16, backend="pallas",
+                        rngs=nnx.Rngs(0))
+        m(x)
+        assert seen["gate_lower_bound"] == bound and seen["chunk_size"] == 16
+    m = MemoryMixer(32, rule="kda", num_heads=2, head_dim=16, chunk_size=24, backend="pallas", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="kda: `chunk_size` must be a power of two"):
+        m(x)
+
+
+def test_memory_backend_defaults_to_auto():
+    from lineage_jax.models import ModelConfig
+
+    assert ModelConfig().memory_backend == "auto"
+    assert MemoryMixer(32, rule="deltanet", num_heads=2, head_dim=16, rngs=nnx.Rngs(0)).backend == "auto"
+    with pytest.raises(ValueError, match="MemoryMixer: `backend` must be one of"):
+        MemoryMixer(32, rule="deltanet", num_heads=2, head_dim=16, backend="cuda", rngs=nnx.Rngs(0))

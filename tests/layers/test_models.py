@@ -128,17 +128,53 @@ def test_stacked_layers_are_independently_initialised():
     assert w.shape[0] >= 2 and not np.allclose(w[0], w[1])
 
 
-def test_remat_gives_same_loss_and_grads():
-    cfg = get_config("tiny_kda")
+@pytest.mark.parametrize("policy", ["dots", "full", True])
+def test_remat_gives_same_loss_and_grads(policy):
+    """Every remat policy (and the legacy ``remat=True``) computes the same gradients as none."""
+    cfg = get_config("tiny_kda").replace(pattern="KM", **dict(kv_lora_rank=32, qk_nope_head_dim=16,
+                                                              qk_rope_head_dim=8, v_head_dim=16))
     tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, cfg.vocab_size)
 
     def loss(m):
         return jnp.mean(m(tokens) ** 2)
 
     g1 = nnx.jit(nnx.grad(loss))(Decoder(cfg, rngs=nnx.Rngs(0)))
-    g2 = nnx.jit(nnx.grad(loss))(Decoder(cfg.replace(remat=True), rngs=nnx.Rngs(0)))
+    g2 = nnx.jit(nnx.grad(loss))(Decoder(cfg.replace(remat=policy), rngs=nnx.Rngs(0)))
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         assert rel(a, b) <= 1e-5
+
+
+def test_remat_policy_names():
+    assert get_config("tiny_kda", remat=True).remat == "full"
+    assert get_config("tiny_kda", remat=False).remat == "none"
+    with pytest.raises(ValueError, match="ModelConfig.remat"):
+        get_config("tiny_kda", remat="sometimes")
+
+
+def test_attention_impl_reaches_every_softmax_and_mla_layer():
+    cfg = get_config("tiny_kda").replace(pattern="SMSM", attention_impl="xla", kv_lora_rank=32,
+                                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    impls = [b.mixer.attention_impl for g in model.groups for b in g.blocks]
+    assert impls and set(impls) == {"xla"}
+    with pytest.raises(ValueError, match="ModelConfig.attention_impl"):
+        cfg.replace(attention_impl="flash")
+
+
+def test_fused_attention_impls_give_the_same_model():
+    """A softmax + MLA model: impl 'xla' (blockwise) and 'pallas' (interpret mode here) give the
+    same logits and gradients."""
+    cfg = get_config("tiny_kda").replace(pattern="SM", positions="rope", kv_lora_rank=32,
+                                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    tokens = jax.random.randint(jax.random.key(5), (2, 21), 0, cfg.vocab_size)
+    seg = jnp.asarray(np.repeat([[1] * 8 + [2] * 13], 2, axis=0))
+
+    def loss(m):
+        return jnp.mean(m(tokens, segment_ids=seg) ** 2)
+
+    grads = [nnx.grad(loss)(Decoder(cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0))) for impl in ("xla", "pallas")]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        assert rel(a, b) <= 1e-4
 
 
 def test_pallas_memory_backend_gives_same_loss_and_grads():

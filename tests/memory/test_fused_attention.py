@@ -1,0 +1,111 @@
+"""Fused softmax attention: every ``impl`` against the float64 reference, forward and every gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lineage_jax import memory as M
+from lineage_jax.memory import fused
+from tests.memory import naive
+
+ON_GPU = jax.default_backend() == "gpu"
+IMPLS = ["xla", "pallas"] + (["cudnn"] if ON_GPU else [])
+
+
+def _inputs(seed, B, T, H, Hk, K, Vd, dtype, segments):
+    r = np.random.default_rng(seed)
+    q, k, v, do = (r.normal(size=s).astype(np.float32) for s in
+                   ((B, T, H, K), (B, T, Hk, K), (B, T, Hk, Vd), (B, T, H, Vd)))
+    seg = np.cumsum(r.random((B, T)) < 0.08, axis=1).astype(np.int32) if segments else None
+    return tuple(jnp.asarray(a, dtype) for a in (q, k, v, do)), seg
+
+
+def _grads(fn, q, k, v, do):
+    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)),
+                    argnums=(0, 1, 2))(q, k, v)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+CASES = [  # (B, T, H, Hk, K, V): GQA, MLA-like unequal widths, odd T, T past one key block
+    (2, 37, 4, 2, 16, 16),
+    (1, 45, 2, 2, 24, 16),
+    (2, 600, 2, 1, 16, 8),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("segments", [False, True], ids=["whole", "packed"])
+def test_impl_matches_reference_forward_and_grads(impl, case, dtype, segments):
+    if impl == "cudnn" and dtype == jnp.float32:
+        pytest.skip("cuDNN's flash attention takes bf16/fp16 only (an f32 call is refused: see the next test)")
+    if impl == "pallas" and case[1] > 100 and not ON_GPU:
+        pytest.skip("interpret mode at T=600 is slow on the CPU; the smaller cases cover the kernel's logic")
+    B, T, H, Hk, K, Vd = case
+    (q, k, v, do), seg = _inputs(hash((case, segments)) % 2**31, B, T, H, Hk, K, Vd, dtype, segments)
+    f = lambda q, k, v: M.softmax_attention(q, k, v, segment_ids=seg, impl=impl)
+    up = lambda a: a.astype(jnp.float64) if jax.config.jax_enable_x64 else a.astype(jnp.float32)
+    want = naive.softmax_attention(*(np.asarray(up(a)) for a in (q, k, v)), causal=True, segment_ids=seg)
+    tol = 2e-5 if dtype == jnp.float32 and not ON_GPU else 1.5e-2
+    got = f(q, k, v)
+    assert got.dtype == dtype and got.shape == (B, T, H, Vd)
+    assert _rel(got, want) < tol
+    ref = lambda q, k, v: M.reference_attention(q, k, v, segment_ids=seg)
+    for g, w in zip(_grads(f, q, k, v, do), _grads(ref, up(q), up(k), up(v), up(do))):
+        assert g.dtype == dtype
+        assert _rel(g, w) < (tol if dtype == jnp.bfloat16 else 5e-5 if not ON_GPU else 1.5e-2)
+
+
+def test_blockwise_keeps_no_full_score_matrix():
+    """The XLA form's compiled gradient holds blocks of keys, never a ``[B, H, T, T]`` float32 array."""
+    B, T, H, K = 1, 8192, 2, 16
+    q = jnp.ones((B, T, H, K), jnp.bfloat16)
+    g = jax.jit(jax.grad(lambda q: jnp.sum(M.softmax_attention(q, q, q, impl="xla").astype(jnp.float32))))
+    text = g.lower(q).as_text()
+    assert f"{T}x{T}" not in text.replace(",", "x")
+    full = g.lower(q).compile().memory_analysis()
+    if full is not None:
+        assert full.temp_size_in_bytes < B * H * T * T * 4 / 2
+
+
+def test_fully_masked_rows_read_zero_not_nan():
+    q = jnp.ones((1, 4, 1, 8))
+    k = jnp.ones((1, 6, 1, 8))
+    # non-causal, no segments: every row sees every key; then a row seeing nothing via documents
+    seg = jnp.array([[0, 0, 1, 1]])
+    o = fused.blockwise_attention(q, q, q, scale=1.0, causal=True, doc_q=seg, doc_k=jnp.array([[0, 0, 2, 2]]))
+    assert np.all(np.isfinite(np.asarray(o)))
+    assert np.all(np.asarray(o)[:, 2:] == 0)
+    assert M.softmax_attention(q, k, k, causal=False, impl="xla").shape == (1, 4, 1, 8)
+
+
+def test_unknown_impl_names_the_argument():
+    q = jnp.ones((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="`impl` must be one of"):
+        M.softmax_attention(q, q, q, impl="flash")
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU cuDNN is available for bf16")
+def test_unavailable_impl_says_why():
+    q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="impl.*'cudnn'.*unavailable here.*NVIDIA GPU"):
+        M.softmax_attention(q, q, q, impl="cudnn")
+
+
+def test_cudnn_refuses_float32_clearly():
+    q = jnp.ones((1, 4, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="unavailable here"):
+        M.softmax_attention(q, q, q, impl="cudnn")
+
+
+def test_auto_resolves_per_backend():
+    q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+    want = {"gpu": "cudnn", "tpu": "pallas"}.get(jax.default_backend(), "xla")
+    assert fused.resolve_impl("t", "auto", q, q, q) == want
+    assert fused.resolve_impl("t", "auto", q.astype(jnp.float32), q, q) in ("xla", "pallas")
