@@ -68,8 +68,8 @@ def git_commit(repo: Path | str = REPO_ROOT) -> Optional[str]:
 def git_dirty(repo: Path | str = REPO_ROOT) -> Optional[bool]:
     """Whether tracked files differ from :func:`git_commit` (``git status``); None if git can't tell.
 
-    A record with ``git_dirty: true`` ran uncommitted code on top of its commit — e.g. on the lent
-    device, whose copy of the working tree carries the git metadata of the last landed commit."""
+    A record with ``git_dirty: true`` ran uncommitted code on top of its commit — e.g. on a
+    remote machine, whose copy of the working tree carries the git metadata of the last landed commit."""
     try:
         out = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
                              capture_output=True, text=True, timeout=30)

@@ -674,7 +674,7 @@ def main(argv=None) -> dict:
                         help="KDA chunked form: xla (default) or pallas (the kernels.delta kernels; avoids the XLA "
                              "form's [B,H,N,4,16,16,K] float32 sub-block scores, untested under sharded layouts)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="skip runs that would end past this many seconds (a device call allows 600)")
+                        help="skip runs that would end past this many seconds (e.g. a job time limit)")
     parser.add_argument("--seed", type=int, default=0)
     return C.main_for(NAME, parser, run, table, argv)
 

@@ -23,8 +23,7 @@ minimal HBM bytes are counted analytically (see :func:`delta_flops`); the roofli
 Correctness is read from the timed functions themselves: each fwd+bwd jit returns
 ``(o, S, grads)`` and the Pallas results are compared with the XLA chunked form at the
 benchmark shape (``check_at_bench_shape`` in the JSON, bf16 tolerance 1e-2). One jit per
-(rule, method, mode) keeps Triton compiles — the scarce resource on a short lease — to a
-minimum. ``--parts check`` adds a small-shape f32/bf16 check with resets and an initial
+(rule, method, mode) keeps Triton compiles (tens of seconds each) to a minimum. ``--parts check`` adds a small-shape f32/bf16 check with resets and an initial
 state; ``--parts stages`` times the five Pallas kernels one by one.
 
 Usage (on the device; fla-core installed with ``--target`` from a carried wheel)::

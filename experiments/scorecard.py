@@ -32,8 +32,8 @@ softmax uses learned positions (GPT-2) and the pure-MLA model RoPE (DeepSeek), t
 hybrids NoPE MLA (Kimi). ``--quick`` is sized for 2 CPU cores (< 10 min); the
 default (``PRESSURE``: every probe's live facts reach a head's key dimension) is sized for
 one GPU: on an H200 all eight took 13 min (2026-11-29: 431 s for linear attention, DeltaNet,
-GDN and KDA in two processes, 357 s for the other four, start-up included) — longer than one
-10-minute device call, so split it with ``--only`` (the JSON is rewritten after every
+GDN and KDA in two processes, 357 s for the other four, start-up included) — split it with
+``--only`` to run it in parts (the JSON is rewritten after every
 architecture, a cut call keeps what it finished) and join the parts with ``--merge``.
 
 **Verdicts**: a predicted failure is confirmed when the architecture scores more than
@@ -160,7 +160,7 @@ PRESSURE = Budget(d_model=128, head_dim=32, seq_len=256, batch=64, steps=3000, l
 # caches grow instead. seq_len 1024 = 4 × (128 + 128) fills fade exactly
 # once; batch 16 keeps PRESSURE's 16K tokens per step; vocab 1024 gives the 256 distinct keys
 # fade needs. Estimated ≈ 1.2–2× PRESSURE's H200 time (same tokens; softmax rows attend 4×
-# further): two device calls of ~4 rows.
+# further).
 EVICT = Budget(d_model=128, head_dim=32, seq_len=1024, batch=16, steps=3000, lrs=(1e-3, 3e-3), vocab=1024,
                num_facts=128, eval_sequences=512, max_train_rows=30_000, decode_context=4096, decode_tokens=64,
                fade_facts_a=128, mixed_facts=64, mixed_max_lag=16)

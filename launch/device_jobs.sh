@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Run experiment jobs one after another on a lent GPU and bring every result back as ONE archive.
+# A queue of experiment jobs on one GPU machine, each under its own time limit, every result
+# archived after each job.
 #
 #   bash launch/device_jobs.sh SECONDS 'python -m experiments.attnres' [SECONDS 'command' ...]
 #
-# Written for the lent H200 of this workplace (the `run` tool: the repo is copied there, `.whl` is
-# carried, `$OUT` comes back — at most 8 files), and for any single-GPU machine:
+# For a machine reached by copying the repository there and collecting one output folder
+# (`$OUT`, default /tmp/device_out) — a cloud VM, a batch-queue node — and for any single-GPU box:
 #
-# * installs the carried wheels (`.whl/*.whl`, e.g. grain, fla-core) into /tmp/site and stops at
+# * installs wheels shipped with the repository copy (`.whl/*.whl`, e.g. grain, fla-core) into /tmp/site and stops at
 #   once if that fails or `grain` does not import (a job without its dependencies wastes the call);
 # * runs each command ALONE on the GPU (sequentially: the 2026-11-29 call that ran three experiments
 #   side by side found the GPU 93% busy and each ran at about half speed, so all three were cut)

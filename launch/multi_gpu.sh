@@ -27,7 +27,7 @@ done
 (( rank < nodes )) || die "--node-rank $rank must be < --nodes $nodes"
 
 [[ -n "$gpus" ]] && export CUDA_VISIBLE_DEVICES="$gpus"
-# Leave NVLink multicast off (NCCL_NVLS_ENABLE=0): the lent H200 hosts do not support it.
+# NVLink multicast is off by default (NCCL_NVLS_ENABLE=0); set it to 1 on hosts that support it.
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 if (( nodes > 1 )); then

@@ -6,8 +6,8 @@ jax 0.11.2 the Triton lowering takes ordinary ``jnp``/``lax`` bodies (``where``,
 math this rule needs, shared verbatim with the TPU kernels — and it runs in
 ``interpret=True`` on the CPU with the same code. Mosaic GPU reaches wgmma/TMA
 but wants warpgroup-level programming (explicit SMEM staging, barriers, 64-row
-wgmma tiles) that cannot share a body with Mosaic TPU and that we could not
-develop and test inside one short device lease. The math lives in
+wgmma tiles) that cannot share a body with Mosaic TPU and has no interpret mode
+that runs on the CPU. The math lives in
 :mod:`kernels.delta.tiles`, so a Mosaic GPU backend can be swapped in later. GPU chunks
 are 32 tokens (two 16-row tiles): Triton's compile time grows steeply with the unrolled
 tile pairs (see :func:`default_chunk`). Measured on an H200 (docs/benchmarks.md):

@@ -1,6 +1,6 @@
 """Compile every GPU kernel of :mod:`kernels.delta` to cubin on a machine without a GPU.
 
-Device time is scarce; Triton compile failures and compile-time blowups are not. This
+Triton compile failures and compile-time blowups show up here, before any GPU run. This
 lowers each Pallas kernel to Triton IR (``jax.export`` for ``cuda``, capturing the module
 that Pallas hands to XLA) and compiles it with the ``triton`` package for sm_90, printing
 the compile time per kernel. Needs ``pip install triton==3.6.0`` (the device's version);

@@ -242,7 +242,12 @@ def _pallas_gpu(q, k, v, doc_q, doc_k, causal, scale, *, interpret):
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
         seg = jnp.zeros((B, T), jnp.int32) if seg is None else seg
         seg = jnp.pad(seg, ((0, 0), (0, Tp - T)), constant_values=-1)
-    o = mha(q, k, v, seg, sm_scale=float(scale), causal=bool(causal), interpret=interpret)
+    kw = {}
+    if D > 128:  # 256-wide (padded) heads: 128-row blocks asked for 320 KB of shared memory on an H200
+        from jax.experimental.pallas.ops.gpu.attention import BlockSizes
+        kw["block_sizes"] = BlockSizes(block_q=64, block_k=64, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32,
+                                       block_kv_dq=32)
+    o = mha(q, k, v, seg, sm_scale=float(scale), causal=bool(causal), interpret=interpret, **kw)
     return o[:, :T]
 
 

@@ -102,7 +102,7 @@ def resolve_axis_sizes(sizes: MeshSpec, num_devices: int) -> dict[str, int]:
     if total != num_devices:
         more = "larger than" if total > num_devices else "smaller than"
         raise ValueError(f"make_mesh: `mesh` {desc} needs {total} devices, {more} the {num_devices} available "
-                         f"(use -1 on one axis to take the rest, or pass `devices`)")
+                         f"(use -1 on one axis to take the rest)")
     return full
 
 

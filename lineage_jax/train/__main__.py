@@ -1,11 +1,14 @@
 """``python -m lineage_jax.train --config NAME --steps N --workdir DIR [--set key=value ...]``.
 
-Rerunning the same command resumes exactly from the latest checkpoint in DIR.
+Rerunning the same command resumes exactly from the latest checkpoint in DIR; a larger
+``--steps`` extends a finished run; a run directory moved or copied elsewhere resumes there.
+Every argument is checked before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -13,15 +16,19 @@ from lineage_jax.models import config_names, get_config
 from lineage_jax.parallel import maybe_initialize_distributed, parse_mesh_spec
 from lineage_jax.train.config import TrainConfig, apply_overrides
 from lineage_jax.train.inputs import make_data
-from lineage_jax.train.loop import train
+from lineage_jax.train.loop import check_workdir, train
 from lineage_jax.train.step import make_parallel
 
 
 def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     p = argparse.ArgumentParser(prog="python -m lineage_jax.train", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help=f"model config: {', '.join(config_names())}")
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--workdir", required=True)
+    p.add_argument("--steps", type=int, required=True,
+                   help="total optimizer steps of the run (not additional ones): rerunning with a larger N "
+                        "extends a finished run, with the same N resumes or reports a finished one")
+    p.add_argument("--workdir", required=True,
+                   help="the run's directory: config.json, checkpoints/, metrics.jsonl, tb/ (created if absent; "
+                        "an existing one is resumed)")
     p.add_argument("--data", default=None, help="'stdlib' (default), a directory of text files, or a task "
                                                 "(mqar, niah, overwrite, fade, mixed_half_lives)")
     p.add_argument("--mesh", default=None,
@@ -30,6 +37,10 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a TrainConfig or ModelConfig field (repeatable), e.g. --set lr=1e-3 --set d_model=128")
     args = p.parse_args(argv)
+    if args.steps <= 0:
+        p.error(f"--steps must be a positive number of steps, got {args.steps}")
+    if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+        p.error(f"--workdir {args.workdir!r} is a file, not a directory")
     if args.config not in config_names():
         p.error(f"unknown --config {args.config!r}; valid names: {', '.join(config_names())}")
     base = {"config": args.config, "steps": args.steps, "workdir": args.workdir}
@@ -65,9 +76,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         make_parallel(model_cfg, train_cfg.mesh, batch_size=train_cfg.batch_size)  # fail before any work
     except ValueError as e:
         _fail(f"--mesh: {e}")
+    try:
+        check_workdir(train_cfg, model_cfg)  # a workdir holding another run: refused before writing anything
+    except ValueError as e:
+        _fail(str(e))
     out = train(train_cfg, model_cfg, data)
     ev = out["eval"]
-    msg = f"step {out['step']}: loss {out['metrics'].get('loss', float('nan')):.4f}"
+    loss = out["metrics"].get("loss")
+    msg = f"step {out['step']}: " + (f"loss {loss:.4f}" if loss is not None else "no training loss logged")
     if ev:
         msg += f", val loss {ev['val_loss']:.4f} (ppl {ev['val_perplexity']:.2f}, acc {ev['val_accuracy']:.3f})"
     print(msg)

@@ -55,30 +55,32 @@ class TrainConfig:
             raise ValueError("TrainConfig.lr / min_lr_ratio / warmup_steps: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0")
 
 
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
 def _convert(name: str, raw: str, annotation: Any) -> Any:
-    """Parse ``raw`` as the field's declared type."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, {"Optional": Optional, "typing": typing})  # dataclass string annotations
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union:
+    """Parse ``raw`` as the field's declared type (``int``, ``float``, ``bool``, ``str`` or
+    ``Optional`` of one; the dataclasses' annotations are strings, read without ``eval``)."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    optional = text.startswith("Optional[") and text.endswith("]")
+    if not isinstance(annotation, str) and typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if raw.lower() in ("none", "null"):
-            return None
-        annotation = args[0]
+        optional, text = True, getattr(args[0], "__name__", "str")
+    elif optional:
+        text = text[len("Optional["):-1]
+    kind = _TYPES.get(text, str)
+    if optional and raw.lower() in ("none", "null"):
+        return None
     try:
-        if annotation is bool:
+        if kind is bool:
             if raw.lower() in ("1", "true", "yes", "on"):
                 return True
             if raw.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
-        if annotation is int:
-            return int(raw)
-        if annotation is float:
-            return float(raw)
-        return str(raw)
+        return kind(raw)
     except ValueError:
-        raise ValueError(f"--set {name}={raw}: expected a value of type {getattr(annotation, '__name__', annotation)}") from None
+        raise ValueError(f"--set {name}={raw}: expected a value of type {kind.__name__}") from None
 
 
 def apply_overrides(train: TrainConfig, model: ModelConfig, pairs: list[str]) -> tuple[TrainConfig, ModelConfig]:
@@ -97,8 +99,13 @@ def apply_overrides(train: TrainConfig, model: ModelConfig, pairs: list[str]) ->
         else:
             table = train_fields if key in train_fields else model_fields
         if key not in table:
-            valid = sorted(set(train_fields) | {f"model.{k}" for k in model_fields} | set(model_fields))
-            raise ValueError(f"--set: unknown key {key!r}; valid keys: {', '.join(valid)}")
+            import difflib
+
+            valid = sorted(set(train_fields) | set(model_fields))
+            near = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(repr(n) for n in near)}?" if near else \
+                "see the fields of TrainConfig (lineage_jax/train/config.py) and ModelConfig (lineage_jax/models/config.py)"
+            raise ValueError(f"--set: unknown key {key!r}; {hint}")
         target = t_changes if table is train_fields else m_changes
         target[key] = _convert(key, raw.strip(), table[key].type)
     return dataclasses.replace(train, **t_changes), (model.replace(**m_changes) if m_changes else model)

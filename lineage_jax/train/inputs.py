@@ -51,6 +51,7 @@ def make_data(train_cfg: TrainConfig, model_cfg: ModelConfig):
     def corpus(split: str):
         return D.tokenize_corpus(D.load_corpus(train_cfg.data, split), tok)
 
+    corpus("train")  # read now: a missing or empty corpus fails before anything is written
     def text_data(split: str):
         return D.make_batches(corpus(split), seq_len=train_cfg.seq_len, batch_size=batch_size,
                               seed=train_cfg.seed, shuffle=split == "train", **shard)

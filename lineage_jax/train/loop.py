@@ -59,21 +59,62 @@ class _Preemption:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _write_configs(workdir: str, train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
-    """Record the run's configs; refuse to resume a workdir with different ones."""
-    record = {"train": dataclasses.asdict(train_cfg), "model": dataclasses.asdict(model_cfg)}
+# TrainConfig fields that may change between the calls of one run: the workdir's own path (a run
+# directory moved or copied elsewhere resumes there), the total steps and the logging cadence.
+RESUMABLE_CHANGES = {"workdir", "steps", "progress", "eval_every", "log_every", "save_every"}
+
+
+def check_workdir(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+    """Refuse (``ValueError``) a workdir that is a file, or holds a run with other settings.
+
+    Writes nothing: the train CLI calls it before any file is created."""
+    workdir = train_cfg.workdir
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"--workdir {workdir!r} is a file, not a directory")
     path = os.path.join(workdir, "config.json")
-    if os.path.exists(path):
+    if not os.path.exists(path):
+        return
+    try:
         with open(path) as f:
             old = json.load(f)
-        ignore = {"steps", "progress", "eval_every", "log_every", "save_every"}  # may change between runs
-        diff = sorted(k for k in record["train"] if k not in ignore and old["train"].get(k) != record["train"][k])
-        diff += sorted(f"model.{k}" for k in record["model"] if old["model"].get(k) != record["model"][k])
-        if diff:
-            raise ValueError(f"workdir {workdir} holds a run with different settings ({', '.join(diff)}); "
-                             "use a new --workdir or the same settings to resume")
-    with open(path, "w") as f:
+        old_train, old_model = old["train"], old["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--workdir {workdir!r}: its config.json is unreadable ({type(e).__name__}); "
+                         "use a new --workdir") from None
+    new_model = dataclasses.asdict(model_cfg)
+    old_model = dict(old_model)
+    if isinstance(old_model.get("remat"), bool):  # older runs spelled the remat policy as a bool
+        old_model["remat"] = "full" if old_model["remat"] else "none"
+    train_rec = dataclasses.asdict(train_cfg)
+    diff = sorted(k for k in train_rec if k not in RESUMABLE_CHANGES and old_train.get(k) != train_rec[k])
+    diff += sorted(f"model.{k}" for k in new_model if k in old_model and old_model[k] != new_model[k])
+    if diff:
+        raise ValueError(f"--workdir {workdir!r} holds a run with different settings ({', '.join(diff)}); "
+                         "use a new --workdir, or the same settings to resume")
+
+
+def _write_configs(workdir: str, train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+    """Record the run's configs; refuse to resume a workdir with different ones."""
+    check_workdir(dataclasses.replace(train_cfg, workdir=workdir), model_cfg)
+    record = {"train": dataclasses.asdict(train_cfg), "model": dataclasses.asdict(model_cfg)}
+    with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump(record, f, indent=2)
+
+
+def _last_logged(path: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The last training metrics and the last evaluation in ``metrics.jsonl`` (a finished run
+    re-run reports them instead of training nothing)."""
+    last, ev = {}, {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    if "loss" in rec:
+                        last = {k: v for k, v in rec.items() if k != "step"}
+                    if "val_loss" in rec:
+                        ev = {k: v for k, v in rec.items() if k != "step"}
+    return last, ev
 
 
 def _trim_metrics(path: str, last_step: int) -> None:
@@ -154,6 +195,9 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
 
         last: dict[str, float] = {}
         evaluation: dict[str, float] = {}
+        if start >= train_cfg.steps:
+            last, evaluation = _last_logged(metrics_path)
+            log(f"{workdir} already finished {start} steps (--steps is the total: pass a larger --steps to extend it)")
         bar = tqdm(total=train_cfg.steps, initial=start, disable=not train_cfg.progress, unit="step", dynamic_ncols=True)
         t_last, step_last = time.perf_counter(), start
         stopped = False
@@ -177,8 +221,7 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
                         for k, v in last.items():
                             writer.add_scalar(f"train/{k}", v, done)
                     post = {"loss": f"{last['loss']:.4f}", "tok/s": f"{rate:,.0f}"}
-                    if peak:
-                        post["mfu"] = f"{100 * last['mfu']:.1f}%"
+                    post["MFU"] = f"{100 * last['mfu']:.1f}%" if peak else f"unknown device ({jax.devices()[0].device_kind})"
                     bar.set_postfix(post)
                 bar.update(1)
                 if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.steps:

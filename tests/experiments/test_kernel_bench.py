@@ -1,7 +1,7 @@
 """The device benchmark's parts run end to end on the CPU (Pallas interpret mode, tiny sizes).
 
-The benchmark only runs on a lent GPU, where a broken part costs scarce device time (a stale
-call into the kernels' internals once did); these tests call the same code paths here.
+The benchmark times GPU kernels; these tests call the same code paths on the CPU so that a
+broken part (a stale call into the kernels' internals, say) fails here, not on the GPU.
 """
 
 import pytest

@@ -47,7 +47,9 @@ def test_sampling_filters():
 
 @pytest.mark.parametrize("argv, msg", [
     (["--config", "gpt5", "--steps", "1", "--workdir", "w"], "valid names"),
-    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--set", "nope=1"], "valid keys"),
+    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--set", "nope=1"], "unknown key 'nope'"),
+    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--set", "d_modle=64"], "did you mean 'd_model'"),
+    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--data", "no/such/dir"], "--data"),
     (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--set", "lr=fast"], "type float"),
     (["--config", "tiny_gpt2", "--steps", "0", "--workdir", "w"], "steps"),
     (["--config", "tiny_kimi_linear", "--steps", "1", "--workdir", "w", "--set", "top_k=99"], "top_k"),
@@ -77,3 +79,53 @@ def test_bf16_compute_with_fp32_master_weights(tmp_path):
     assert rec["model"]["dtype"] == "bfloat16"
     losses = [json.loads(l)["loss"] for l in open(wd / "metrics.jsonl") if "loss" in json.loads(l)]
     assert len(losses) == 2 and all(l == l and l > 0 for l in losses)  # finite, not NaN
+
+
+def _no_traceback(err: str) -> None:
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 6  # usage + one error line
+
+
+def test_bad_data_writes_nothing_and_the_corrected_command_runs(tmp_path, capsys):
+    wd = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train_main(["--config", "tiny_gpt2", "--steps", "1", "--workdir", str(wd), "--data", str(tmp_path / "nope"),
+                    *SMALL])
+    assert e.value.code == 2 and "--data" in capsys.readouterr().err
+    assert not wd.exists()
+    assert train_main(["--config", "tiny_gpt2", "--steps", "1", "--workdir", str(wd), "--data", "mqar", *SMALL]) == 0
+
+
+def test_workdir_that_is_a_file_is_a_clear_error(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        train_main(["--config", "tiny_gpt2", "--steps", "1", "--workdir", str(f)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is a file" in err
+    _no_traceback(err)
+
+
+def test_finished_run_reports_its_metrics_and_a_copied_run_resumes(tmp_path, capsys):
+    import shutil
+
+    wd = tmp_path / "a"
+    args = ["--config", "tiny_gpt2", "--workdir", str(wd), "--data", "mqar", *SMALL]
+    assert train_main(["--steps", "2", *args]) == 0
+    first = capsys.readouterr().out.strip().splitlines()[-1]
+    assert train_main(["--steps", "2", *args]) == 0  # finished: report, do not train, no NaN
+    again = capsys.readouterr()
+    assert again.out.strip().splitlines()[-1] == first and "nan" not in again.out
+    assert "already finished 2 steps" in again.out
+    moved = tmp_path / "b"
+    shutil.copytree(wd, moved)
+    args_b = ["--config", "tiny_gpt2", "--workdir", str(moved), "--data", "mqar", *SMALL]
+    assert train_main(["--steps", "3", *args_b]) == 0  # the copy resumes and extends (steps = the total)
+    steps = [json.loads(l)["step"] for l in open(moved / "metrics.jsonl") if "loss" in json.loads(l)]
+    assert steps == [1, 2, 3]
+
+
+def test_help_describes_every_option(capsys):
+    with pytest.raises(SystemExit):
+        train_main(["--help"])
+    out = capsys.readouterr().out
+    assert "total optimizer steps" in out and "the run's directory" in out
