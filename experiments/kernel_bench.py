@@ -346,7 +346,7 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                 gs = tt(x["gs"]).clone()
                 for mode in ("fwd", "fwdbwd"):
                     if rule == "gdn" and mode == "fwdbwd":
-                        continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper (DESIGN.md)
+                        continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper
                     try:
                         ins = [q, k, v] + ([g] if rule in ("kda", "kdab") else [gs] if rule == "gdn" else []) + [beta]
                         if mode == "fwd":

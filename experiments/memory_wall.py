@@ -31,7 +31,7 @@ from lineage_jax.models.config import MIXERS, ModelConfig, get_config
 
 NAME = "memory_wall"
 CACHE_DTYPE_BYTES = 2  # bf16 K/V and latent caches
-STATE_DTYPE_BYTES = 4  # fp32 recurrent states (DESIGN.md: the state is float32 always)
+STATE_DTYPE_BYTES = 4  # fp32 recurrent states (docs/design.md: the state is float32 always)
 WEIGHT_DTYPE_BYTES = 2  # bf16 weights, for the "cache outweighs the model" comparison
 H200_HBM_BYTES = 141e9
 TABLE_CONTEXTS = (1 << 10, 1 << 17, 1 << 20)  # 1K, 128K, 1M

@@ -15,7 +15,7 @@ A document's EOS belongs to that document (it is its last token), so
 ``segment_ids[t+1] != segment_ids[t]`` exactly where ``tokens[t]`` is an EOS
 (as long as no document contains the EOS id itself), and predicting the EOS
 is trained ("this document ends here") while predicting across it is not.
-Memory layers reset their state where the id changes (DESIGN.md).
+Memory layers reset their state where the id changes (docs/design.md).
 
 Everything is a pure function of the stream and ``seq_len``: deterministic.
 """

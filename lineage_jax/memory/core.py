@@ -27,7 +27,7 @@ This module implements the rule once:
 * :func:`recurrent` — ``lax.scan`` of :func:`step` over tokens, the reference;
 * :func:`chunked` — the WY/UT form: per chunk of ``C`` tokens a unit lower
   triangular solve ``T = (I + A)⁻¹`` turns the sequential chain of corrections
-  into matmuls, and a ``lax.scan`` over chunks carries the state (see DESIGN.md,
+  into matmuls, and a ``lax.scan`` over chunks carries the state (see docs/design.md,
   "The chunked form").
 
 Internal layout is ``[B, T, H, D]`` for sequences and ``[B, H, K, V]`` for the
@@ -269,7 +269,7 @@ def unit_lower_inverse(A: Array) -> Array:
 def chunked(x: RuleInputs, state: Array, *, erase: bool, chunk_size: int) -> tuple[Array, Array]:
     """The rule in WY/UT chunked form. Same inputs and results as :func:`recurrent`.
 
-    Per chunk (DESIGN.md): ``A`` strictly lower with decayed key overlaps,
+    Per chunk (docs/design.md): ``A`` strictly lower with decayed key overlaps,
     ``T = (I + A)⁻¹`` by triangular solve, ``W = T(β ⊙ K ⊙ e^G)``, ``U = T(β ⊙ V)``;
     then, sequentially over chunks, ``Ũ = U − W S``, ``O = (Q ⊙ e^G) S + M Ũ``,
     ``S ← Diag(e^{G_C}) S + (K ⊙ e^{G_C − G})ᵀ Ũ``. Everything that does not

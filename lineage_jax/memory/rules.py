@@ -2,7 +2,7 @@
 
 Each public function is the same rule (:mod:`lineage_jax.memory.core`) with one
 edit — which gate, whether to erase — plus argument checks. Conventions
-(DESIGN.md):
+(docs/design.md):
 
 * sequences ``[B, T, H, D]``; state ``[B, H, K, V]`` in float32 (float64 under x64);
 * ``q`` is multiplied by ``scale`` (default ``K ** -0.5``) before use;

@@ -18,7 +18,8 @@ def test_scorecard_structure(tmp_path):
     out = subprocess.run([sys.executable, "-m", "experiments.scorecard", "--quick", "--steps", "3", "--only", "gpt2,kda",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "Seeds' predictions" in out.stdout and "KDA" in out.stdout
+    assert "Predictions, stated before measuring" in out.stdout and "KDA" in out.stdout
+    assert "Not taught in this budget" in out.stdout  # 3 steps teach nothing: no verdict, said so
     rec = json.loads((tmp_path / "scorecard" / "scorecard.json").read_text())
     assert (tmp_path / "scorecard" / "scorecard.png").stat().st_size > 10_000
     assert [r["architecture"] for r in rec["rows"]] == [S.KEYS["gpt2"], S.KEYS["kda"]]
@@ -123,3 +124,37 @@ def test_evict_budget_overloads_every_head_and_fills_fade_once():
     assert (kinds["fade"] == 1).sum() == b.fade_facts_a and (kinds["fade"] == 2).sum() == b.num_facts
     assert 4 * (b.fade_facts_a + b.num_facts) == b.seq_len  # doc B written and queried once
     assert (kinds["mixed_half_lives"] == 1).sum() == b.mixed_facts
+
+
+def _row(name, acc):
+    return {"architecture": name, "accuracy": dict.fromkeys(S.PROBES, acc), "decode_ms_per_token": 0.1,
+            "memory_per_layer_1k": 1.0, "memory_per_layer_1m": 1.0}
+
+
+def test_verdicts_in_words_and_untaught_rows_excluded():
+    rows = [_row(S.KEYS["linear"], 0.07), _row(S.KEYS["deltanet"], 0.99), _row(S.KEYS["gdn"], 0.97),
+            _row(S.KEYS["gpt2"], 0.10)]
+    assert S.untaught(rows) == [S.KEYS["gpt2"]]
+    check = S.check_predictions(rows)
+    v = check["mqar"][S.KEYS["linear"]]
+    assert v["confirmed"] and v["median"] == 0.97 and v["best"] == S.KEYS["deltanet"]  # GPT-2 not in the median
+    rec = {"rows": rows, "prediction_check": check, "quick": True, "budget_name": "quick",
+           "budget": {"d_model": 64, "steps": 800, "batch": 32, "seq_len": 64, "layers": 2},
+           "device": {"description": "cpu"}}
+    text = S.table(rec)
+    assert "predicted: Linear attention fails recall — confirmed: 0.07 vs median 0.97 (best: DeltaNet 0.99)" in text
+    assert "predicted: DeltaNet fails fade — not confirmed" in text
+    assert "Not taught in this budget" in text and "GPT-2 (softmax + KV cache)" in text
+    assert "MiB" in text and " MB" not in text and "2 layers" in text
+
+
+def test_quick_help_and_readme_agree_on_the_time():
+    import re
+    from pathlib import Path
+
+    readme = (Path(S.__file__).resolve().parent.parent / "README.md").read_text()
+    line = next(l for l in readme.splitlines() if "scorecard --quick" in l)
+    minutes = re.search(r"(\d+) minutes", line).group(1)
+    parser_help = subprocess.run([sys.executable, "-m", "experiments.scorecard", "--help"], capture_output=True,
+                                 text=True, timeout=120).stdout
+    assert f"about {minutes} minutes" in " ".join(parser_help.split())
