@@ -134,7 +134,7 @@ class Budget:
     fade_facts_a: Optional[int] = None
     mixed_facts: Optional[int] = None
     mixed_max_lag: int = 4
-    layers: int = 4  # each architecture's pattern keeps its last ``layers`` letters (KKKM -> KM at 2)
+    layers: Optional[int] = None  # keep the last ``layers`` letters of each pattern (KKKM -> KM at 2); None: all
 
 
 # The CPU budget (``--quick``): two layers at d 64, six facts per probe, 800 steps at lr 6e-3.
@@ -179,7 +179,7 @@ MARGIN = 0.05  # a predicted failure must score this far below the probe's media
 
 def model_config(label: str, pattern: str, extra: dict, b: Budget) -> ModelConfig:
     heads = b.d_model // b.head_dim
-    pattern = pattern[-b.layers:]
+    pattern = pattern if b.layers is None else pattern[-b.layers:]
     base = dict(name=label, vocab_size=b.vocab, d_model=b.d_model, pattern=pattern, num_heads=heads,
                 head_dim=b.head_dim, ffn_hidden=4 * b.d_model, moe_hidden=b.d_model, chunk_size=16,
                 max_seq_len=max(b.seq_len, b.decode_context + b.decode_tokens), kv_lora_rank=2 * b.head_dim,
@@ -447,7 +447,7 @@ def table(record: dict) -> str:
     headers = ["architecture", "mem/layer 1K", "mem/layer 1M", *[PROBE_LABELS[p] for p in PROBES], "decode ms/tok"]
     b = record["budget"]
     name = record.get("budget_name", "quick" if record["quick"] else "wide")
-    title = (f"Scorecard ({name}: d={b['d_model']}, {b.get('layers', 4)} layers, {b['steps']} steps × "
+    title = (f"Scorecard ({name}: d={b['d_model']}, {b.get('layers') or 4} layers, {b['steps']} steps × "
              f"{b['batch']} × {b['seq_len']} tokens; device {record['device']['description']})")
     lines = [C.format_table(headers, rows, title)]
     split = [r for r in record["rows"] if r.get("accuracy_by_kind")]
