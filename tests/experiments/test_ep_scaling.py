@@ -32,6 +32,9 @@ def _env(devices: int) -> dict:
     return env
 
 
+# The end-to-end run (1, 2 and 4 fake devices x four layouts, ~2 minutes on 2 cores) is marked slow:
+# the layouts' equality with one device is the default suite's tests/parallel; here the default
+# suite keeps the argument checks.
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
@@ -45,6 +48,7 @@ def record(tmp_path_factory):
     return rec
 
 
+@pytest.mark.slow
 def test_every_run_trains_and_matches_one_device(record):
     rows = {(r["n"], r["layout"]): r for r in record["rows"]}
     assert set(rows) == {(1, "1 device"), *((n, lay) for n in (2, 4) for lay in ("dp", "ep", "ep_rep", "fsdp"))}
@@ -82,6 +86,7 @@ def test_every_run_trains_and_matches_one_device(record):
     assert rows[(4, "ep")]["xla_bytes_per_device"] < rows[(2, "ep")]["xla_bytes_per_device"]
 
 
+@pytest.mark.slow
 def test_files_and_table(record):
     png = Path(record["files"]["png"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -125,6 +130,7 @@ def test_divisibility_errors(monkeypatch):
     assert [r["mesh"] for r in EPS.planned_runs([2], ["fsdp"], EPS.make_budget(True))] == ["fsdp=2"]
 
 
+@pytest.mark.slow  # the model-level equality is tests/layers/test_models.py::test_pallas_memory_backend_*
 def test_pallas_memory_backend_trains_the_same_losses(tmp_path):
     """``--memory-backend pallas`` (the kernels.delta kernels, interpret mode here) trains the
     same 1-device losses as the XLA chunked form."""
