@@ -331,15 +331,17 @@ def plot(record: dict):
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows) * len(groups)), 4.5))
     width = 0.8 / max(1, len(rows))
     for i, row in enumerate(rows):
-        xs, ys = [], []
+        xs, ys, failed = [], [], []
         for g, key in enumerate(groups):
             hit = [x for x in results if x["row"] == row and (x["batch"], x["seq_len"], x["remat"]) == key]
+            ok = [x["tokens_per_s"] for x in hit if x["status"] == "ok"]
             xs.append(g + i * width)
-            ys.append(hit[0].get("tokens_per_s") or 0.0 if hit else 0.0)
+            ys.append(max(ok) if ok else 0.0)  # a merged record may hold a failed and a fresh-process run
+            failed.append(bool(hit) and not ok)
         ax.bar(xs, [y / 1e3 for y in ys], width, label=row)
-        for x, y in zip(xs, ys):
-            if y == 0.0:
-                ax.text(x, 0, "OOM/err", rotation=90, ha="center", va="bottom", fontsize=7)
+        for x, bad in zip(xs, failed):
+            if bad:
+                ax.text(x, 0, "out of memory / error", rotation=90, ha="center", va="bottom", fontsize=7)
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
     ax.set_xticklabels([f"{b}x{t}\nremat={rm}" for b, t, rm in groups])
     ax.set_ylabel("tokens / s (thousands)")
