@@ -245,15 +245,18 @@ def run(quick: bool = False, out: str = "results") -> dict:
 
     ``quick`` changes nothing (the examples are tiny); it is accepted for the common CLI.
     """
-    res = {
-        "read_back": read_back(),
-        "interference": interference(),
-        "overwrite": overwrite(),
-        "contaminated": contaminated(),
-        "wy_solve": wy_solve(),
-        "gated_survival": survival(),
-        "twin_boards": twin_boards(),
-    }
+    # Worked examples are exact arithmetic on small numbers: float32 products on every backend
+    # (a GPU's default TF32 would print 2.9997 for 3).
+    with jax.default_matmul_precision("highest"):
+        res = {
+            "read_back": read_back(),
+            "interference": interference(),
+            "overwrite": overwrite(),
+            "contaminated": contaminated(),
+            "wy_solve": wy_solve(),
+            "gated_survival": survival(),
+            "twin_boards": twin_boards(),
+        }
     record = dict(common.provenance(NAME, quick),
                   inputs={"k_cat": CAT, "k_dog": DOG, "k_silver": SILVER_KEY, "v_mochi": MOCHI, "v_rex": REX,
                           "v_biscuit": BISCUIT, "v_silver": SILVER, "k_junk": JUNK_KEY, "v_junk": JUNK, "scale": 1.0},

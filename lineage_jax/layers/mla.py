@@ -25,13 +25,13 @@ Two ways to evaluate the same scores:
   ``q_lat · c_iᵀ + q_r · k_r_iᵀ`` with ``q_lat = q_nope W_ukᵀ [H, C]``, and
   ``Σ_i p_i v_i = (Σ_i p_i c_i) W_uv``. The cache is never expanded per head.
 
-Precision: the projections run at the default matmul precision (TF32 for float32 on
-GPUs). ``__call__`` runs the fused attention of :func:`~lineage_jax.memory.softmax_attention`
-in the activations' dtype (``attention_impl``: cuDNN / Pallas / blockwise XLA; scores and
-softmax in float32); ``prefill`` and ``decode`` compute scores, softmax and the absorbed
-products in float32 at full precision. The paths agree to float32 rounding (~1e-6
-relative) for float32 activations when matmuls run at full float32 precision (CPU, or
-``jax.default_matmul_precision("highest")``), to ~1e-3 under TF32.
+Precision: every product runs at the matmul precision in force (``ModelConfig.matmul_precision``,
+:mod:`lineage_jax.numerics`: TF32 for float32 on GPUs by default). ``__call__`` runs the fused
+attention of :func:`~lineage_jax.memory.softmax_attention` in the activations' dtype
+(``attention_impl``: cuDNN / Pallas / blockwise XLA; scores and softmax in float32); ``prefill``
+and ``decode`` compute scores, softmax and the absorbed products in float32. The paths agree to
+float32 rounding (~1e-6 relative) for float32 activations at ``"highest"`` (or on a CPU), to
+~1e-3 under TF32.
 
 Positions: with ``use_rope=True`` (DeepSeek) ``q_r`` and ``k_r`` are rotated at
 their absolute positions by :func:`apply_rope` (half-split convention, see there);
@@ -46,7 +46,6 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 
 from lineage_jax.layers.common import Dense, RMSNorm, apply_rope, normal, param  # apply_rope: re-exported
 from lineage_jax.memory import _validate as V
@@ -58,8 +57,8 @@ Array = jax.Array
 
 
 def _einsum(spec: str, *operands: Array) -> Array:
-    """Attention-internal einsum at full float32 precision (no TF32 / bf16 passes)."""
-    return jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST)
+    """Attention-internal einsum, at the matmul precision in force (lineage_jax.numerics)."""
+    return jnp.einsum(spec, *operands)
 
 
 def mla_cache_values_per_token(kv_lora_rank: int, qk_rope_head_dim: int) -> int:

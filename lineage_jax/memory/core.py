@@ -46,12 +46,29 @@ from jax import lax
 
 Array = jax.Array
 
-# The reference must be a reference: no TF32 / bf16 passes on accelerators.
-_PRECISION = lax.Precision.HIGHEST
-
 
 def _einsum(spec: str, *operands: Array) -> Array:
-    return jnp.einsum(spec, *operands, precision=_PRECISION)
+    """The products of the rule, at the matmul precision in force (``jax.default_matmul_precision``;
+    see docs/design.md, "Numerics": float32 on CPU, TF32 / bf16 passes on GPU / TPU unless "highest")."""
+    return jnp.einsum(spec, *operands)
+
+
+def prefix_sum(x: Array, axis: int, *, reverse: bool = False) -> Array:
+    """Inclusive prefix sum along ``axis`` (``reverse``: suffix sum ``Σ_{s >= t}``), as one product
+    with a 0/1 triangle at full float32 precision whatever the policy (gate sums must stay exact).
+
+    Not ``jnp.cumsum``: XLA:GPU (jaxlib 0.11) lowers a cumsum to a ``reduce-window`` and, when its
+    input is a chunk that is mostly zero padding (sequences shorter than 8 tokens in a chunk of 16
+    or more), fails to emit the fused kernel ("Failed to translate module to LLVM IR"). Chunks
+    are at most a few hundred tokens, so the triangle costs nothing that matters.
+    """
+    n = x.shape[axis]
+    i = jnp.arange(n)
+    tri = (i[None, :] >= i[:, None]) if reverse else (i[None, :] <= i[:, None])  # tri[t, s]: s counts for t
+    dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+    xm = jnp.moveaxis(x, axis, -1).astype(dtype)
+    out = jnp.einsum("...s,ts->...t", xm, tri.astype(dtype), precision=lax.Precision.HIGHEST)
+    return jnp.moveaxis(out, -1, axis).astype(x.dtype)
 
 
 class RuleInputs(NamedTuple):
@@ -136,7 +153,7 @@ def segment_sums(g: Array) -> Array:
     C = g.shape[-2]
     below = jnp.tril(jnp.ones((C, C), dtype=bool), -1)[:, :, None]
     x = jnp.where(below, g[..., :, None, :], jnp.zeros((), g.dtype))  # x[s, j] = g_s for s > j
-    return jnp.cumsum(x, axis=-3)
+    return prefix_sum(x, axis=-3)
 
 
 def decayed_scores(lefts: tuple[Array, ...], right: Array, g: Optional[Array]) -> tuple[Array, ...]:
@@ -172,12 +189,12 @@ def decayed_scores(lefts: tuple[Array, ...], right: Array, g: Optional[Array]) -
     E = _masked_exp(segment_sums(gb), jnp.tril(jnp.ones((s, s), dtype=bool), -1)[:, :, None])
     E = E + jnp.eye(s, dtype=g.dtype)[:, :, None]
     # Row side of the anchor: decay(a → i) = exp(Σ_{a < t <= i} g_t) within the block.
-    left_decay = jnp.exp(jnp.cumsum(gb.at[..., 0, :].set(0.0), axis=-2))  # [..., nb, s, K]
+    left_decay = jnp.exp(prefix_sum(gb.at[..., 0, :].set(0.0), axis=-2))  # [..., nb, s, K]
     # Column side: decay(j → a_I) = exp(Σ_{j < t <= a_I} g_t) for columns before block I.
     anchors = jnp.arange(nb) * s
     upto = jnp.arange(C)[None, :] <= anchors[:, None]  # [nb, C]: t <= a_I
     g_upto = jnp.where(upto[:, :, None], g[..., None, :, :], 0.0)  # [..., nb, C, K]
-    suffix = jnp.cumsum(g_upto[..., ::-1, :], axis=-2)[..., ::-1, :]  # Σ_{j <= t <= a_I}
+    suffix = prefix_sum(g_upto, axis=-2, reverse=True)  # Σ_{j <= t <= a_I}
     suffix = jnp.concatenate([suffix[..., 1:, :], jnp.zeros_like(suffix[..., :1, :])], axis=-2)
     col_before = (jnp.arange(C)[None, :] < anchors[:, None])[:, :, None]  # [nb, C, 1]
     R_anch = right[..., None, :, :] * _masked_exp(suffix, col_before)  # [..., nb, C, K]
@@ -284,7 +301,7 @@ def chunked(x: RuleInputs, state: Array, *, erase: bool, chunk_size: int) -> tup
 
     # Padding tokens write nothing (k = 0, β = 0) and decay nothing (g = 0).
     q, k, v, g, beta = (_to_chunks(_pad_time(a, pad), n, C) for a in (x.q, x.k, x.v, x.g, x.beta))
-    G = None if g is None else jnp.cumsum(g, axis=-2)  # [B, H, N, C, Kg]
+    G = None if g is None else prefix_sum(g, axis=-2)  # [B, H, N, C, Kg]
 
     # Segment resets inside a chunk: doc index relative to the chunk's incoming state.
     if x.reset is None:
@@ -292,7 +309,7 @@ def chunked(x: RuleInputs, state: Array, *, erase: bool, chunk_size: int) -> tup
         same_doc = None
     else:
         reset = _pad_time(x.reset, pad, False).reshape(B, 1, n, C)
-        doc = jnp.cumsum(reset.astype(jnp.int32), axis=-1)
+        doc = prefix_sum(reset.astype(jnp.int32), axis=-1)
         sees_state = doc == 0  # no reset between the chunk start and this token
         same_doc = doc[..., :, None] == doc[..., None, :]  # [B, 1, N, C, C]
         last_doc = doc[..., -1:]
@@ -308,7 +325,7 @@ def chunked(x: RuleInputs, state: Array, *, erase: bool, chunk_size: int) -> tup
         decay_end = jnp.ones((1, 1, 1, 1), dtype)
     else:
         # G_C − G_j as the sum of the gates after j (exactly 0, with no gradient path, at j = C).
-        after = jnp.cumsum(g[..., ::-1, :], axis=-2)[..., ::-1, :]
+        after = prefix_sum(g, axis=-2, reverse=True)
         after = jnp.concatenate([after[..., 1:, :], jnp.zeros_like(after[..., :1, :])], axis=-2)
         decay_out = jnp.exp(after)
         decay_end = jnp.exp(G[..., -1, :])  # [B, H, N, Kg]

@@ -21,7 +21,8 @@ pass:
 
 The dtype policy matches :func:`lineage_jax.memory.softmax._attend`: scores and the softmax in
 float32 (float64 for float64 inputs); the probabilities are rounded to ``v``'s dtype before the
-value product; float32 products run at full float32 precision.
+value product; products run at the matmul precision in force (:mod:`lineage_jax.numerics`:
+float32 on CPU or under ``"highest"``, TF32 for float32 on GPUs by default).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ DEFAULT_BLOCK_K = 512
 
 
 # ---------------------------------------------------------------------------- the XLA form
-def _precision(*arrays) -> lax.Precision:
-    return lax.Precision.HIGHEST if min(a.dtype.itemsize for a in arrays) >= 4 else lax.Precision.DEFAULT
+def _precision(*arrays):
+    """The products' precision: the policy in force (``None``; see lineage_jax.numerics)."""
+    del arrays
+    return None
 
 
 def _visible(q_pos, k_pos, doc_q, doc_k, k_valid, causal):
@@ -183,11 +186,26 @@ def _cudnn_unsupported(q, k, v) -> Optional[str]:
     return None
 
 
+CUDNN_SEQ_MULTIPLE = 64  # cuDNN's flash attention (training) takes sequence lengths in multiples of 64
+
+
 def _cudnn(q, k, v, doc_q, doc_k, causal, scale):
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention as cudnn_dpa
 
     dt = jnp.result_type(q, k, v)
     q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    Tq, Tk = q.shape[1], k.shape[1]
+    pq, pk = -Tq % CUDNN_SEQ_MULTIPLE, -Tk % CUDNN_SEQ_MULTIPLE
+    if pq or pk:
+        # Pad to the multiple; padded keys form their own document (-1), which no real query
+        # sees (causal alone hides them only when they come after every query and T_q == T_k).
+        pad = lambda a, n: jnp.pad(a, [(0, 0), (0, n)] + [(0, 0)] * (a.ndim - 2))
+        if doc_q is not None or not causal or Tq != Tk:
+            doc_q = jnp.zeros(q.shape[:2], jnp.int32) if doc_q is None else doc_q.astype(jnp.int32)
+            doc_k = jnp.zeros(k.shape[:2], jnp.int32) if doc_k is None else doc_k.astype(jnp.int32)
+            doc_q = jnp.pad(doc_q, [(0, 0), (0, pq)], constant_values=-1)
+            doc_k = jnp.pad(doc_k, [(0, 0), (0, pk)], constant_values=-1)
+        return _cudnn(pad(q, pq), pad(k, pk), pad(v, pk), doc_q, doc_k, causal, scale)[:, :Tq]
     mask = None
     if doc_q is not None:
         mask = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]               # [B, 1, T, S]

@@ -19,7 +19,7 @@ def segment_starts(segment_ids: Array) -> Array:
     (False at position 0: the first document starts from the incoming state/cache)."""
     seg = jnp.asarray(segment_ids)
     change = seg[:, 1:] != seg[:, :-1]
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+    return jnp.concatenate([jnp.zeros((seg.shape[0], 1), bool), change], axis=1)
 
 
 def document_index(segment_ids: Array) -> Array:

@@ -85,8 +85,7 @@ def _attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
     B, Tq, H, K = q.shape
     Hk = k.shape[2]
     acc = jnp.result_type(jnp.float32, q, k, v)
-    # HIGHEST keeps float32 inputs exact (no TF32); bf16 products are exact in float32 anyway.
-    precision = lax.Precision.HIGHEST if min(k.dtype.itemsize, v.dtype.itemsize) >= 4 else lax.Precision.DEFAULT
+    precision = None  # the matmul precision in force (lineage_jax.numerics)
     qg = (q.astype(acc).reshape(B, Tq, Hk, H // Hk, K) * scale).astype(k.dtype)
     s = jnp.einsum("bqhgk,bshk->bhgqs", qg, k, precision=precision, preferred_element_type=acc)
     s = s.reshape(B, H, Tq, -1)
@@ -269,8 +268,7 @@ def cache_read(spec: str, x: Array, cached: Array, *, read: str = "auto") -> Arr
     acc = jnp.result_type(jnp.float32, cached)
     x = x.astype(cached.dtype)
     if read == "dot":
-        # HIGHEST keeps float32 caches exact (no TF32); bf16 products are exact in float32 anyway.
-        precision = lax.Precision.HIGHEST if cached.dtype.itemsize >= 4 else lax.Precision.DEFAULT
+        precision = None  # the matmul precision in force (lineage_jax.numerics)
         return jnp.einsum(f"{xs},{cs}->{out}", x, cached, precision=precision, preferred_element_type=acc)
     order = list(cs[:-1]) + extra + [cs[-1]]  # the cache's axes in place, x's own before its minor axis
     def lift(arr, letters):

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
 from lineage_jax.memory.rules import BACKENDS
 from lineage_jax.memory.softmax import READS
+from lineage_jax.numerics import MATMUL_PRECISIONS
 
 MIXERS = {"S": "softmax", "L": "linear", "D": "deltanet", "G": "gdn", "K": "kda", "M": "mla"}
 FFN_KINDS = ("gelu", "swiglu", "situ")
@@ -89,6 +90,9 @@ class ModelConfig:
     # Fused attention of softmax and MLA layers in training / prefill: "auto" | "xla" | "cudnn" |
     # "pallas" (lineage_jax.memory.softmax_attention's `impl`).
     attention_impl: str = "auto"
+    # Matmul precision of the whole model (lineage_jax.numerics): "default" (the backend's: TF32
+    # for float32 on GPUs, float32 on CPU) | "high" | "highest" (float32 products everywhere).
+    matmul_precision: str = "default"
     # Rematerialisation policy of each layer group (REMAT_POLICIES): "none" | "full" | "dots".
     # True / False (older configs) mean "full" / "none".
     remat: str = "none"
@@ -200,6 +204,8 @@ def validate(c: ModelConfig) -> None:
         _fail("memory_backend", f"must be one of {BACKENDS}, got {c.memory_backend!r}")
     if c.attention_impl not in ATTENTION_IMPLS:
         _fail("attention_impl", f"must be one of {ATTENTION_IMPLS}, got {c.attention_impl!r}")
+    if c.matmul_precision not in MATMUL_PRECISIONS:
+        _fail("matmul_precision", f"must be one of {MATMUL_PRECISIONS}, got {c.matmul_precision!r}")
     if c.remat not in REMAT_POLICIES:
         _fail("remat", f"must be one of {REMAT_POLICIES} (or a bool: True = 'full'), got {c.remat!r}")
     if c.kda_output_gate not in ("lowrank", "full", "none"):

@@ -18,6 +18,7 @@ Three entry points share one path through the layers:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -34,6 +35,7 @@ from lineage_jax.layers.moe import MoE
 from lineage_jax.memory.fused import RESIDUALS as ATTENTION_RESIDUALS
 from lineage_jax.memory.rules import DELTA_RESIDUALS
 from lineage_jax.models.config import MIXERS, ModelConfig
+from lineage_jax.numerics import matmul_precision
 
 Array = jax.Array
 
@@ -279,6 +281,15 @@ def _scan_with_cache(body, carry, state, stacked_cache, idx):
     return carry, cache, stats
 
 
+def _at_model_precision(method):
+    """Run a Decoder entry point (and so its backward pass) at ``cfg.matmul_precision``."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with matmul_precision(self.cfg.matmul_precision):
+            return method(self, *args, **kwargs)
+    return wrapped
+
+
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -353,6 +364,7 @@ class Decoder(nnx.Module):
         return out, tuple(new_caches), moe_stats
 
     # ------------------------------------------------------------------ public
+    @_at_model_precision
     def forward(self, tokens: Array, *, segment_ids: Optional[Array] = None,
                 positions: Optional[Array] = None) -> tuple[Array, dict[str, Any]]:
         """``tokens [B, T]`` -> ``(logits [B, T, vocab] float32, aux)``.
@@ -388,6 +400,7 @@ class Decoder(nnx.Module):
                 caches.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), one))
         return DecoderCache(tuple(caches), jnp.zeros((batch,), jnp.int32))
 
+    @_at_model_precision
     def prefill(self, tokens: Array, cache: DecoderCache, *, segment_ids: Optional[Array] = None):
         """Run a prompt ``[B, T]`` after what ``cache`` holds; ``(logits [B, T, vocab], cache)``."""
         self._check_tokens("prefill", tokens, 2)
@@ -396,6 +409,7 @@ class Decoder(nnx.Module):
         h, layers, _ = self._run(self.embed_tokens(tokens, positions), cache.layers, "prefill", segment_ids)
         return self.output_logits(h), DecoderCache(layers, cache.length + T)
 
+    @_at_model_precision
     def decode(self, token: Array, cache: DecoderCache):
         """One token per row ``[B]`` -> ``(logits [B, vocab], cache)``."""
         self._check_tokens("decode", token, 1)

@@ -40,6 +40,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     mesh: str = ""  # e.g. "data=2,expert=4" (see lineage_jax.parallel)
     progress: bool = True
+    # Bitwise-reproducible steps on GPUs (XLA's deterministic ops: ordered scatter-adds and
+    # reductions, no autotuning by timing); a few percent slower. CPUs are deterministic anyway.
+    deterministic: bool = False
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "seq_len", "log_every", "save_every", "eval_batches", "keep_checkpoints"):

@@ -61,7 +61,7 @@ class _Preemption:
 
 # TrainConfig fields that may change between the calls of one run: the workdir's own path (a run
 # directory moved or copied elsewhere resumes there), the total steps and the logging cadence.
-RESUMABLE_CHANGES = {"workdir", "steps", "progress", "eval_every", "log_every", "save_every"}
+RESUMABLE_CHANGES = {"workdir", "steps", "progress", "eval_every", "log_every", "save_every", "deterministic"}
 
 
 def check_workdir(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:

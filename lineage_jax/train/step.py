@@ -196,15 +196,26 @@ def make_eval_step(graphdef, parallel: Optional[Parallel] = None):
     return eval_step
 
 
+def compiler_options(train_cfg: TrainConfig, backend: Optional[str] = None) -> Optional[dict]:
+    """XLA options of the jitted steps: ``TrainConfig.deterministic`` on a GPU turns on XLA's
+    deterministic ops (``None``: nothing to set here)."""
+    backend = backend or jax.default_backend()
+    if train_cfg.deterministic and backend == "gpu":
+        return {"xla_gpu_deterministic_ops": True}
+    return None
+
+
 def jit_steps(graphdef, tx, train_cfg: TrainConfig, state: TrainState, parallel: Optional[Parallel] = None):
     """The jitted ``(train_step, eval_step)``: state donated; on a mesh, the state keeps its
     shardings in and out and the metrics come back replicated."""
     train_step = make_train_step(graphdef, tx, train_cfg, parallel)
     eval_step = make_eval_step(graphdef, parallel)
+    opts = compiler_options(train_cfg)
     if parallel is None:
-        return jax.jit(train_step, donate_argnums=(0,)), jax.jit(eval_step)
+        return (jax.jit(train_step, donate_argnums=(0,), compiler_options=opts),
+                jax.jit(eval_step, compiler_options=opts))
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     replicated = NamedSharding(parallel.mesh, P())
     return (jax.jit(train_step, in_shardings=(state_sh, None), out_shardings=(state_sh, replicated),
-                    donate_argnums=(0,)),
-            jax.jit(eval_step, in_shardings=(state_sh, None), out_shardings=replicated))
+                    donate_argnums=(0,), compiler_options=opts),
+            jax.jit(eval_step, in_shardings=(state_sh, None), out_shardings=replicated, compiler_options=opts))

@@ -1,4 +1,5 @@
-"""Pallas chunked delta-rule kernels vs the XLA chunked form (CPU, ``interpret=True``).
+"""Pallas chunked delta-rule kernels vs the XLA chunked form (compiled on a GPU / TPU; in
+interpret mode on the CPU and for a flavour other than the machine's).
 
 Forward output, final state and every gradient (dq, dk, dv, dβ, dg, dh0) for
 DeltaNet, Gated DeltaNet (scalar-gate kernels), KDA (exact per-channel kernels) and
@@ -77,11 +78,19 @@ def make_inputs(seed, gates="uniform", dtype=np.float32):
     return x
 
 
+def _interpret(target):
+    """Compiled where the kernels' flavour is the machine's, interpreted elsewhere (CPU, or the TPU
+    flavour on a GPU). Interpret mode on a GPU is not float32-exact: XLA's excess-precision
+    rewrites fold the bf16 splits of the GPU flavour's float32 products."""
+    here = jax.default_backend()
+    return here == "cpu" or (target or kd.default_target()) != here
+
+
 def _rule(rule, backend, target=None, chunk_size=None, tuning=()):
     def fn(q, k, v, g, gs, beta, S0, seg):
         kw = dict(initial_state=S0, segment_ids=seg)
         if backend == "kernels":
-            kw.update(target=target, interpret=True, chunk_size=chunk_size, **dict(tuning))
+            kw.update(target=target, interpret=_interpret(target), chunk_size=chunk_size, **dict(tuning))
             if rule == "kda":
                 return kd.chunk_kda(q, k, v, g, beta, **kw)
             if rule == "kda_bounded":
@@ -105,7 +114,12 @@ def value_and_grads(rule, backend, docs, target=None, chunk_size=None, tuning=()
         o, S = fn(q, k, v, g, gs, beta, S0, seg if docs else None)
         return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(S * w_s), (o, S)
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6), has_aux=True))
+    opts = None
+    if backend == "kernels" and _interpret(target) and jax.default_backend() == "gpu":
+        # Interpreted on a GPU, the kernels' bf16 splits of float32 operands are XLA ops; keep
+        # XLA from folding f32 -> bf16 -> f32 round trips ("excess precision") so they stay exact.
+        opts = {"xla_allow_excess_precision": False}
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6), has_aux=True), compiler_options=opts)
 
 
 def run(rule, backend, x, docs, **kw):
@@ -226,8 +240,8 @@ def test_backend_pallas_matches_xla_through_rules():
     o1, s1 = M.kda(*args, backend="pallas", **kw)
     o0, s0 = M.kda(*args, backend="xla", **kw)
     assert rel_err(o1, o0) <= 1e-4 and rel_err(s1, s0) <= 1e-4
-    o2, _ = M.kda(*args, backend="auto", **kw)  # CPU: auto = XLA
-    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o0))
+    o2, _ = M.kda(*args, backend="auto", **kw)  # auto: XLA on a CPU, the kernels on a GPU / TPU
+    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o0 if jax.default_backend() == "cpu" else o1))
 
 
 def test_backend_errors():

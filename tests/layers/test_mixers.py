@@ -16,6 +16,9 @@ def make(kind, **kw):
     rngs = nnx.Rngs(0)
     if kind == "softmax":
         return Attention(D, num_heads=4, head_dim=6, num_kv_heads=2, use_bias=True, rngs=rngs, **kw)
+    # The XLA chunked form with 8-token chunks (several chunks, resets inside them) on every backend;
+    # the kernels' path is tested in tests/kernels and by test_bounded_kda_gate_and_chunk_size_reach_the_kernel.
+    kw.setdefault("backend", "xla")
     return MemoryMixer(D, rule=kind, num_heads=3, head_dim=8, v_head_dim=5, chunk_size=8, rngs=rngs, **kw)
 
 

@@ -8,12 +8,18 @@ from flax import nnx
 
 from lineage_jax.layers import attnres as AR
 from lineage_jax.models import Decoder, config_names, get_config, inference_steps, layer_groups
+from tests._numerics import tolerance
 
 TINY = [n for n in config_names() if n.startswith("tiny_")]
 
 call = nnx.jit(lambda m, t: m(t))
 prefill = nnx.jit(lambda m, t, c: m.prefill(t, c))
 decode = nnx.jit(lambda m, t, c: m.decode(t, c))
+
+
+def _runs_kernels(cfg) -> bool:
+    """Prefill / forward run the compiled delta-rule kernels here (decode runs the XLA step)."""
+    return jax.default_backend() != "cpu" and cfg.memory_backend != "xla" and any(c in cfg.pattern for c in "DGK")
 
 
 def rel(a, b):
@@ -29,10 +35,11 @@ def test_decode_after_prefill_equals_full_forward(name):
     assert logits.shape == (2, 12, cfg.vocab_size) and np.all(np.isfinite(logits))
     cache = model.init_cache(2, 16)
     lp, cache = prefill(model, tokens[:, :7], cache)
-    assert rel(lp, logits[:, :7]) <= 1e-5
+    tol = tolerance(1e-5, kernels=_runs_kernels(cfg))
+    assert rel(lp, logits[:, :7]) <= tol
     for t in range(7, 12):
         lt, cache = decode(model, tokens[:, t], cache)
-        assert rel(lt, logits[:, t]) <= 1e-5, (name, t)
+        assert rel(lt, logits[:, t]) <= tol, (name, t)
     assert np.all(np.asarray(cache.length) == 12)
 
 
@@ -48,10 +55,11 @@ def test_inference_steps_equal_the_module_and_donate_the_cache(name):
     cache = model.init_cache(2, 12)
     assert "tf.aliasing_output" in dec.lower(state, tokens[:, 0], cache).as_text()
     lp, cache = pre(state, tokens[:, :6], cache)
-    assert rel(lp, logits[:, :6]) <= 1e-5
+    tol = tolerance(1e-5, kernels=_runs_kernels(cfg))
+    assert rel(lp, logits[:, :6]) <= tol
     for t in range(6, 10):
         lt, cache = dec(state, tokens[:, t], cache)
-        assert rel(lt, logits[:, t]) <= 1e-5, (name, t)
+        assert rel(lt, logits[:, t]) <= tol, (name, t)
 
 
 def test_tiny_k3_scans_macrocycles_and_matches_unrolled():
@@ -180,7 +188,7 @@ def test_fused_attention_impls_give_the_same_model():
 def test_pallas_memory_backend_gives_same_loss_and_grads():
     """``memory_backend="pallas"``: the delta rules run through the kernels.delta kernels (interpret
     mode on the CPU) — the same loss and gradients as the XLA chunked form."""
-    cfg = get_config("tiny_kda").replace(pattern="DGK", chunk_size=16)
+    cfg = get_config("tiny_kda").replace(pattern="DGK", chunk_size=16, memory_backend="xla")
     tokens = jax.random.randint(jax.random.key(4), (2, 40), 0, cfg.vocab_size)
 
     def loss(m):

@@ -52,14 +52,32 @@ def test_impl_matches_reference_forward_and_grads(impl, case, dtype, segments):
     f = lambda q, k, v: M.softmax_attention(q, k, v, segment_ids=seg, impl=impl)
     up = lambda a: a.astype(jnp.float64) if jax.config.jax_enable_x64 else a.astype(jnp.float32)
     want = naive.softmax_attention(*(np.asarray(up(a)) for a in (q, k, v)), causal=True, segment_ids=seg)
-    tol = 2e-5 if dtype == jnp.float32 and not ON_GPU else 1.5e-2
+    # float32 holds float32 tolerances on every backend (the suite runs at precision "highest"),
+    # except JAX's Triton flash kernel, whose dots take their own (TF32) precision on a GPU.
+    own_precision = ON_GPU and impl == "pallas"
+    tol = 2e-5 if dtype == jnp.float32 and not own_precision else 1.5e-2
     got = f(q, k, v)
     assert got.dtype == dtype and got.shape == (B, T, H, Vd)
     assert _rel(got, want) < tol
     ref = lambda q, k, v: M.reference_attention(q, k, v, segment_ids=seg)
     for g, w in zip(_grads(f, q, k, v, do), _grads(ref, up(q), up(k), up(v), up(do))):
         assert g.dtype == dtype
-        assert _rel(g, w) < (tol if dtype == jnp.bfloat16 else 5e-5 if not ON_GPU else 1.5e-2)
+        assert _rel(g, w) < (tol if dtype == jnp.bfloat16 else 5e-5 if not own_precision else 1.5e-2)
+
+
+@pytest.mark.gpu(reason="cuDNN flash attention")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("T", [1, 50, 129])
+def test_cudnn_takes_any_sequence_length(causal, T):
+    """cuDNN trains on multiples of 64 tokens only; other lengths are padded, the padding a
+    document of its own that no real query sees (also without a causal mask)."""
+    (q, k, v, do), seg = _inputs(T, 2, T, 4, 2, 64, 64, jnp.bfloat16, T > 1)
+    f = lambda q, k, v: M.softmax_attention(q, k, v, causal=causal, segment_ids=seg, impl="cudnn")
+    ref = lambda q, k, v: M.reference_attention(q, k, v, causal=causal, segment_ids=seg)
+    up = lambda a: a.astype(jnp.float32)
+    assert _rel(f(q, k, v), ref(up(q), up(k), up(v))) < 1.5e-2
+    for g, w in zip(_grads(f, q, k, v, do), _grads(ref, up(q), up(k), up(v), up(do))):
+        assert _rel(g, w) < 1.5e-2
 
 
 def test_blockwise_keeps_no_full_score_matrix():

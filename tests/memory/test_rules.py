@@ -65,10 +65,12 @@ def test_recurrent_matches_float64_reference(name):
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("T,chunk", [(37, 16), (100, 64), (1, 64)])
+@pytest.mark.parametrize("T,chunk", [(37, 16), (100, 64), (1, 64), (7, 16)])
 def test_chunked_equals_recurrent_outputs_states_and_gradients(name, T, chunk):
+    """(1, 64) and (7, 16): a chunk that is mostly zero padding — the case XLA:GPU could not
+    compile while the gate sums were ``jnp.cumsum`` (see ``memory.core.prefix_sum``)."""
     x = Inputs(1, T=T)
-    kw = dict(segment_ids=jnp.asarray(x.segment_ids)) if T > 1 else {}
+    kw = dict(segment_ids=jnp.asarray(x.segment_ids))  # T = 1 included: a one-token prefill
     o_r, S_r = run(name, x, mode="recurrent", initial_state=jnp.asarray(x.S0), **kw)
     o_c, S_c = run(name, x, mode="chunked", chunk_size=chunk, initial_state=jnp.asarray(x.S0), **kw)
     assert rel_err(o_c, o_r) <= 1e-5

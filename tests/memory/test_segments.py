@@ -20,3 +20,10 @@ def test_random_ids_match_a_python_loop():
         for t in range(1, seg.shape[1]):
             want[b, t] = want[b, t - 1] + (seg[b, t] != seg[b, t - 1])
     np.testing.assert_array_equal(document_index(seg), want)
+
+
+def test_one_token_rows():
+    """T = 1 (a one-token prefill with segment ids): one start-less document per row."""
+    seg = np.array([[4], [0]], np.int32)
+    assert segment_starts(seg).shape == (2, 1) and not np.any(np.asarray(segment_starts(seg)))
+    np.testing.assert_array_equal(np.asarray(document_index(seg)), [[0], [0]])

@@ -52,13 +52,14 @@ def run(workdir, steps, config="tiny_kimi_linear", kill_at=None, **kw):
 
 
 def test_exact_resume(tmp_path):
-    """The same 6-step command preempted after step 3 and rerun: steps 4-6 equal an uninterrupted run."""
-    full = run(tmp_path / "full", 6)
-    first = run(tmp_path / "resumed", 6, kill_at=3)
+    """The same 6-step command preempted after step 3 and rerun: steps 4-6 equal an uninterrupted run
+    (bitwise: CPUs are deterministic, and ``deterministic=True`` makes GPUs so)."""
+    full = run(tmp_path / "full", 6, deterministic=True)
+    first = run(tmp_path / "resumed", 6, kill_at=3, deterministic=True)
     assert first["preempted"] and first["step"] == 3
     with Checkpointer(str(tmp_path / "resumed" / "checkpoints"), async_save=False) as ck:
         assert ck.latest_step() == 3
-    again = run(tmp_path / "resumed", 6)
+    again = run(tmp_path / "resumed", 6, deterministic=True)
     a, b = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     for s in (1, 2, 3, 4, 5, 6):
@@ -132,3 +133,10 @@ def test_muon_dims_are_per_head_and_skip_tables():
     assert blk["norm1"]["scale"].get_value() is None
     moe = dims["groups"][1]["blocks"][0]["ffn"]["w_gate"].get_value()  # [E, D, hidden]: per expert
     assert moe == optax.contrib.MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))
+
+
+def test_deterministic_sets_xla_deterministic_ops_on_gpus_only():
+    from lineage_jax.train.step import compiler_options
+    assert compiler_options(TrainConfig(deterministic=True), "gpu") == {"xla_gpu_deterministic_ops": True}
+    assert compiler_options(TrainConfig(deterministic=False), "gpu") is None
+    assert compiler_options(TrainConfig(deterministic=True), "cpu") is None

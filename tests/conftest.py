@@ -1,0 +1,47 @@
+"""Suite-wide numerics and markers.
+
+Every test runs with float32 matmuls at full float32 precision
+(``jax.default_matmul_precision("highest")``): the suite checks equalities of math (chunked ==
+recurrent, decode == prefill == forward, sharded == single-device), whose float32 tolerances
+hold on every backend only when a float32 product is a float32 product — a GPU's default is
+TF32 (10-bit mantissa), a TPU's one bf16 pass. On a CPU this changes nothing. Tests of the
+backend's *default* precision are marked ``default_precision`` and take their tolerance from
+:func:`tests._numerics.tolerance`.
+
+``gpu``-marked tests need an NVIDIA GPU (compiled Triton / Mosaic GPU kernels, cuDNN, XLA:GPU
+regressions) and are skipped elsewhere, with the marker's reason.
+"""
+
+import jax
+import pytest
+
+
+SUITE_PRECISION = "highest"
+
+
+def pytest_configure(config):
+    # Process-wide (module- and session-scoped fixtures included), in every xdist worker.
+    jax.config.update("jax_default_matmul_precision", SUITE_PRECISION)
+
+
+@pytest.fixture(autouse=True)
+def _backend_default_precision(request):
+    if request.node.get_closest_marker("default_precision") is None:
+        yield
+        return
+    jax.config.update("jax_default_matmul_precision", None)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", SUITE_PRECISION)
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is not None:
+            why = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+            item.add_marker(pytest.mark.skip(reason=f"needs an NVIDIA GPU (backend here: "
+                                                    f"{jax.default_backend()}){': ' + why if why else ''}"))

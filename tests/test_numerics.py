@@ -1,0 +1,103 @@
+"""The matmul-precision policy (lineage_jax.numerics): one setting per model reaches every product."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lineage_jax import memory
+from lineage_jax.models import Decoder, get_config
+from lineage_jax.numerics import MATMUL_PRECISIONS, matmul_precision
+from tests._numerics import precision_in_force, rel_err, tolerance
+
+
+def _dot_precisions(fn, *args) -> set[str]:
+    """The ``precision`` of every dot_general in ``fn``'s jaxpr, sub-jaxprs (scan, jit, remat,
+    custom VJP) included: "None" (the policy in force at lowering) or the enums' names."""
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                p = eqn.params.get("precision")
+                found.add("None" if p is None else str(p))
+            for v in eqn.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def _model_fn(name, **over):
+    model = Decoder(get_config(name).replace(**over), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, model.cfg.vocab_size)
+    return (lambda s, t: nnx.merge(graphdef, s)(t)), state, tokens
+
+
+@pytest.mark.default_precision
+@pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_kimi_linear"])
+def test_model_matmul_precision_reaches_every_product(name):
+    fn, state, tokens = _model_fn(name, matmul_precision="highest", memory_backend="xla")
+    assert precision_in_force() == "default"
+    precs = _dot_precisions(fn, state, tokens)
+    assert precs and all("HIGHEST" in p for p in precs), precs
+    fn, state, tokens = _model_fn(name, memory_backend="xla")  # "default": the backend's own
+    precs = _dot_precisions(fn, state, tokens)
+    assert any(p == "None" for p in precs), precs  # projections and rule products follow the policy
+    # ... but the gate prefix sums of the chunked forms stay float32 whatever the policy.
+    if "K" in get_config(name).pattern:
+        assert any("HIGHEST" in p for p in precs), precs
+
+
+@pytest.mark.default_precision
+def test_gradients_run_at_the_model_precision():
+    fn, state, tokens = _model_fn("tiny_gdn", matmul_precision="highest", memory_backend="xla")
+    loss = lambda s, t: jnp.mean(fn(s, t) ** 2)
+    precs = _dot_precisions(jax.grad(loss), state, tokens)
+    assert precs and all("HIGHEST" in p for p in precs), precs
+
+
+@pytest.mark.default_precision
+@pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_kda", "tiny_mla"])
+def test_default_precision_is_within_its_tolerance_of_float32(name):
+    """On a CPU both are float32 (equal to rounding); on a GPU TF32 stays within the tolerance the
+    suite gives that precision."""
+    fn, state, tokens = _model_fn(name)
+    ref_fn, _, _ = _model_fn(name, matmul_precision="highest")
+    got, ref = jax.jit(fn)(state, tokens), jax.jit(ref_fn)(state, tokens)
+    assert rel_err(got, ref) <= tolerance(1e-5), rel_err(got, ref)
+
+
+def test_an_outer_highest_context_is_kept_by_a_default_model():
+    """"default" leaves the caller's precision in force (the suite itself runs at "highest")."""
+    assert precision_in_force() == "highest"
+    fn, state, tokens = _model_fn("tiny_gpt2")
+    precs = _dot_precisions(fn, state, tokens)
+    assert precs and all("HIGHEST" in p for p in precs), precs
+
+
+def test_memory_functions_follow_the_context():
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=(1, 20, 2, 8)), jnp.float32) for _ in range(3))
+    g = -jnp.asarray(r.uniform(0, 1, (1, 20, 2, 8)), jnp.float32)
+    beta = jnp.asarray(r.uniform(0, 1, (1, 20, 2)), jnp.float32)
+    f = lambda *a: memory.kda(*a, backend="xla", chunk_size=16)[0]
+    with matmul_precision("highest"):
+        assert all("HIGHEST" in p for p in _dot_precisions(f, q, k, v, g, beta))
+    with jax.default_matmul_precision("default"):
+        assert "None" in _dot_precisions(f, q, k, v, g, beta) or any(
+            "DEFAULT" in p for p in _dot_precisions(f, q, k, v, g, beta))
+
+
+def test_unknown_precision_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="matmul_precision"):
+        get_config("tiny_gpt2").replace(matmul_precision="tf32")
+    with pytest.raises(ValueError, match="matmul_precision"):
+        matmul_precision("fast")
+    assert MATMUL_PRECISIONS == ("default", "high", "highest")
