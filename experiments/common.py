@@ -211,6 +211,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def floats(text: str) -> list[float]:
+    """``"1e-3,3e-3"`` -> ``[0.001, 0.003]`` (an argparse type)."""
+    return [float(v) for v in text.split(",")]
+
+
 def power_of_two(text: str) -> int:
     """argparse type: a power of two >= 2."""
     value = positive_int(text)

@@ -53,6 +53,8 @@ import numpy as np
 
 from experiments import common as C
 from experiments import trainer as T
+from experiments.architectures import ARCHITECTURES, EXTRA_ARCHITECTURES, EXTRA_KEYS, KEYS
+from experiments.architectures import model_config as architecture_config
 from lineage_jax import accounting
 from lineage_jax import data as D
 from lineage_jax.models import ModelConfig
@@ -61,49 +63,8 @@ NAME = "scorecard"
 PROBES = ("mqar", "overwrite", "fade", "mixed_half_lives")
 PROBE_LABELS = {"mqar": "recall", "overwrite": "overwrite", "fade": "fade", "mixed_half_lives": "mixed half-lives"}
 
-# (label, pattern, extra config fields); KEYS give each a short name for --only.
-ARCHITECTURES = [
-    ("GPT-2 (softmax + KV cache)", "SSSS", dict(positions="learned", norm="layernorm", ffn_kind="gelu", attn_bias=True)),
-    ("Linear attention", "LLLL", {}),
-    ("DeltaNet", "DDDD", {}),
-    ("Gated DeltaNet", "GGGG", {}),
-    ("KDA", "KKKK", {}),
-    ("MLA", "MMMM", dict(mla_rope=True)),
-    ("Kimi Linear 3:1 (KDA+MLA, MoE)", "KKKM", dict(first_dense_layers=1, num_experts=8, top_k=2, num_shared_experts=1)),
-    ("K3-style (latent MoE, SiTU, AttnRes)", "KKKM", dict(
-        first_dense_layers=1, num_experts=8, top_k=2, num_shared_experts=2, moe_activation="situ", ffn_kind="situ",
-        kda_gate="bounded", kda_output_gate="full", mla_output_gate=True, attnres_block=2)),
-]
-
-KEYS = dict(zip(["gpt2", "linear", "deltanet", "gdn", "kda", "mla", "kimi_linear", "k3"], [a[0] for a in ARCHITECTURES]))
-
-# Diagnostic rows, run only when named in --only (not part of the card). GPT-2 is the one
-# softmax row that did not learn the probes in the budget (H200: val accuracy 0.04 / 0.50 at
-# lr 1e-3 / 3e-3, fade doc B 0.04; a second run 0.64, doc B 0.07), while MLA (RoPE, RMSNorm,
-# SwiGLU) reached 1.00. GPT-2 without its learned positions (NoPE; order from the causal mask
-# alone) learned nothing (H200, 2026-11-29; that run also had the default attention init — the
-# GPT-2 init then keyed on learned positions; it now covers every LayerNorm row), and GPT-2 with
-# RoPE instead of learned positions asks whether a relative position signal is what it lacks:
-# `--only gpt2,gpt2_nope,gpt2_rope`.
-# Gated DeltaNet without its output gate: GDN's full SiLU output gate (fla's GatedDeltaNet) is
-# what kept it from learning MQAR at d 64 (H200: 0.003, and 0.998 with the gate off —
-# docs/results.md), so `--only gdn,gdn_nogate` (or mqar `--archs`) measures the gate.
-# KDA without its low-rank sigmoid output gate: the same question for KDA, which learned MQAR at
-# L 64 but not at (128, 8) in 600 H200 steps (0.005 at d 64, 0.086 at d 128; DeltaNet 0.99) —
-# on the CPU the gate turned out a small factor (0.733 -> 0.811 at (64, 4)), so KDA with A = 1 at
-# init (Mamba-2's A ~ U[1, 16] forgets up to 16x, on average 8.5x, faster before the gate learns)
-# asks about the decay.
-EXTRA_ARCHITECTURES = [
-    ("GPT-2 without positions (NoPE)", "SSSS", dict(positions="none", norm="layernorm", ffn_kind="gelu",
-                                                    attn_bias=True)),
-    ("Gated DeltaNet, no output gate", "GGGG", dict(gdn_output_gate="none")),
-    ("KDA, no output gate", "KKKK", dict(kda_output_gate="none")),
-    ("GPT-2 with RoPE (no learned positions)", "SSSS", dict(positions="rope", norm="layernorm", ffn_kind="gelu",
-                                                            attn_bias=True)),
-    ("KDA, A = 1 at init (slower initial decay)", "KKKK", dict(decay_a_init="unit")),
-]
-EXTRA_KEYS = dict(zip(["gpt2_nope", "gdn_nogate", "kda_nogate", "gpt2_rope", "kda_unit_a"],  # KEYS stays the card
-                      [a[0] for a in EXTRA_ARCHITECTURES]))
+# The rows (ARCHITECTURES: the card; EXTRA_ARCHITECTURES: diagnostic rows, run only when named
+# in --only) and their short keys come from experiments.architectures.
 
 # The seeds' predictions (000/001), stated before measuring: which architectures fail which probe.
 PREDICTED_FAIL = {
@@ -178,15 +139,9 @@ MARGIN = 0.05  # a predicted failure must score this far below the probe's media
 
 
 def model_config(label: str, pattern: str, extra: dict, b: Budget) -> ModelConfig:
-    heads = b.d_model // b.head_dim
-    pattern = pattern if b.layers is None else pattern[-b.layers:]
-    base = dict(name=label, vocab_size=b.vocab, d_model=b.d_model, pattern=pattern, num_heads=heads,
-                head_dim=b.head_dim, ffn_hidden=4 * b.d_model, moe_hidden=b.d_model, chunk_size=16,
-                max_seq_len=max(b.seq_len, b.decode_context + b.decode_tokens), kv_lora_rank=2 * b.head_dim,
-                qk_nope_head_dim=b.head_dim, qk_rope_head_dim=b.head_dim // 2, v_head_dim=b.head_dim,
-                moe_latent_dim=b.d_model // 2 if "moe_activation" in extra else None, conv_size=4)
-    base.update(extra)
-    return ModelConfig(**base)
+    """A row's config at this budget's width and depth, with room for the decode column."""
+    return architecture_config(label, pattern, extra, d_model=b.d_model, head_dim=b.head_dim, vocab=b.vocab,
+                               max_seq_len=max(b.seq_len, b.decode_context + b.decode_tokens), layers=b.layers)
 
 
 def reference_config(pattern: str) -> ModelConfig:
