@@ -273,7 +273,7 @@ def _cell(value: Any) -> str:
 
 
 def fmt_bytes(n: float) -> str:
-    """Decimal units (1 MB = 1e6 B), as the seeds and GPU spec sheets use."""
+    """Decimal units (1 MB = 1e6 B), as GPU spec sheets use."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"

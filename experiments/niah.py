@@ -14,8 +14,9 @@ scored on held-out sequences at several context lengths, shorter and longer than
 sequences whose passkey is reproduced exactly (every digit's teacher-forced argmax right,
 which is what greedy decoding would emit: RULER's metric); *digit accuracy*; and passkey
 accuracy by needle depth (``depth_bins`` equal bins over the depths of the same held-out
-sequences, no extra passes). The seeds' prediction (GDN paper, Mamba2 99 -> 30% from 1K
-to 8K): pure-decay and additive memories fade as the haystack grows; attention and the
+sequences, no extra passes). The prediction (Yang, Kautz, Hatamizadeh, "Gated Delta
+Networks: Improving Mamba2 with Delta Rule", 2024, arXiv:2412.06464: Mamba2 99 -> 30% on
+S-NIAH-1 from 1K to 8K): pure-decay and additive memories fade as the haystack grows; attention and the
 delta rules hold. Out-of-length caveats are part of the result: GPT-2's learned positions
 are untrained beyond the training length and RoPE-MLA extrapolates poorly, while NoPE
 (the hybrids' MLA) and the fixed-state memories have nothing position-specific to break.

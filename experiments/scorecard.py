@@ -1,4 +1,4 @@
-"""The seeds' eight-row scorecard, measured: who remembers, who forgets, what it costs.
+"""The eight-row scorecard of the lineage, measured: who remembers, who forgets, what it costs.
 
     python -m experiments.scorecard [--quick] [--out results]
     python -m experiments.scorecard --only gpt2,linear,deltanet,gdn --out part_a     # split a long run
@@ -66,7 +66,12 @@ PROBE_LABELS = {"mqar": "recall", "overwrite": "overwrite", "fade": "fade", "mix
 # The rows (ARCHITECTURES: the card; EXTRA_ARCHITECTURES: diagnostic rows, run only when named
 # in --only) and their short keys come from experiments.architectures.
 
-# The seeds' predictions (000/001), stated before measuring: which architectures fail which probe.
+# The predictions, stated before measuring: which architectures fail which probe. Linear attention
+# only adds to its state, so it cannot recall past its capacity nor overwrite (the delta rule's
+# motivation: Schlag et al. 2021, arXiv:2102.11174); DeltaNet has no forgetting, so stale facts
+# crowd fresh ones (Gated DeltaNet's motivation: Yang, Kautz, Hatamizadeh 2024, arXiv:2412.06464);
+# one scalar gate per head cannot keep long-lived facts while fading junk (KDA's per-channel gate:
+# Kimi Team 2025, arXiv:2510.26692).
 PREDICTED_FAIL = {
     "mqar": ["Linear attention"],
     "overwrite": ["Linear attention"],
@@ -110,12 +115,12 @@ WIDE = Budget(d_model=256, head_dim=64, seq_len=256, batch=64, steps=3000, lrs=(
               eval_sequences=512, max_train_rows=60_000, decode_context=4096, decode_tokens=64)
 # The default: capacity pressure. WIDE (the first full budget, ``--budget wide``) put no pressure
 # on fade / mixed half-lives (24 + 24 facts against 4 heads × 64 key dims per layer: DeltaNet and
-# GDN scored 1.00 on every probe on an H200), so the seeds' predictions for them could not be
+# GDN scored 1.00 on every probe on an H200), so the predictions for them could not be
 # tested. Here every probe's live facts reach a head's key dim (32): mqar / overwrite 32 facts;
 # fade 32 + 32 facts with seq_len = 4·64, so doc B is written and queried exactly once (no
 # re-write passes); mixed 16 long-lived facts under a junk stream with lags up to 16. On the
 # H200 (2026-11-29, docs/results.md) DeltaNet, GDN, KDA, MLA and both hybrids still reach
-# 0.95–1.00 on every probe and query kind here: the per-kind gaps the seeds predict are at most
+# 0.95–1.00 on every probe and query kind here: the predicted per-kind gaps are at most
 # a few points at this width.
 PRESSURE = Budget(d_model=128, head_dim=32, seq_len=256, batch=64, steps=3000, lrs=(1e-3, 3e-3), vocab=512,
                   num_facts=32, eval_sequences=512, max_train_rows=60_000, decode_context=4096, decode_tokens=64,
@@ -124,7 +129,7 @@ PRESSURE = Budget(d_model=128, head_dim=32, seq_len=256, batch=64, steps=3000, l
 # PRESSURE, 4× the facts. 128 live facts = 4× a head's key dim and all 128 key dims of a layer's
 # 4 heads: no single head, nor a layer whose heads split the facts with any slack, holds every
 # fact exactly, so the memory must choose what to evict (the 4-layer model's 512 key dims could
-# still hold them only by spreading facts over layers as well) — where the seeds' finer
+# still hold them only by spreading facts over layers as well) — where the finer
 # predictions (DeltaNet fades badly without a gate, GDN's scalar gate cannot keep long-lived
 # facts under junk while KDA's per-channel gate can) should show, if anywhere; softmax/MLA
 # caches grow instead. seq_len 1024 = 4 × (128 + 128) fills fade exactly
@@ -335,7 +340,7 @@ def untaught(rows: list[dict]) -> list[str]:
 
 
 def check_predictions(rows: list[dict]) -> dict:
-    """Per probe: did the architectures the seeds predict to fail score more than ``MARGIN`` below
+    """Per probe: did the architectures predicted to fail (``PREDICTED_FAIL``) score more than ``MARGIN`` below
     the probe's median over the rows that learned (``untaught`` rows excluded), and how does the
     best row score?"""
     skip = set(untaught(rows))
