@@ -73,7 +73,6 @@ from experiments import common as C
 from experiments import trainer as T
 from lineage_jax import accounting
 from lineage_jax import data as D
-from lineage_jax.models import ModelConfig
 
 NAME = "mqar"
 ZOOLOGY_PAIRS = {64: 4, 128: 8, 256: 16, 512: 64}  # sequence length -> key-value pairs (Zoology Figure 2)
