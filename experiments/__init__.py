@@ -1,1 +1,1 @@
-"""Experiment scripts that measure the seeds' claims (each writes JSON + a PNG)."""
+"""Experiment scripts that measure the lineage's claims (each writes JSON + a PNG)."""

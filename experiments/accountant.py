@@ -1,14 +1,14 @@
-"""The parameter accountant (seed 001 §00c, §07b): 22,580 GPT-2s, held honestly.
+"""The parameter accountant: "22,580 GPT-2s fit in one K3", held honestly.
 
     python -m experiments.accountant [--quick] [--out results]
 
 Every count is :mod:`lineage_jax.accounting` walking an abstract model
-(``nnx.eval_shape``), never typed in. The seed's three views of the headline:
+(``nnx.eval_shape``), never typed in. Three views of the headline ratio:
 
-1. stored parameters, K3 total / GPT-2 small total (the seed's "22,580" is the
+1. stored parameters, K3 total / GPT-2 small total (the headline "22,580" is the
    rounded 2.8T / 124M; the exact accountant ratio is reported beside it);
 2. the same against GPT-2 XL (the 1.5B model the 2019 paper headlines; the
-   seed's "≈1,867" is 2.8T / 1.5B). GPT-2 XL is built here: 48 layers, d_model
+   rounded "≈1,867" is 2.8T / 1.5B). GPT-2 XL is built here: 48 layers, d_model
    1600, 25 heads, the released vocabulary of 50,257 tokens, 1,024 learned
    positions, tied embeddings (the padded 50,304 vocab is counted alongside);
 3. active parameters per token, K3 active / GPT-2 small active (and per-token
@@ -133,11 +133,11 @@ def _plot(res: dict):
         ax2.text(xi, v * 1.1, f"{v:,.0f}×", ha="center", fontsize=9)
         if seed is not None:
             ax2.plot([xi - 0.4, xi + 0.4], [seed, seed], "k--", lw=1)
-            ax2.text(xi + 0.42, seed, f"seed {seed:,.0f}", fontsize=7, va="center")
+            ax2.text(xi + 0.42, seed, f"rounded {seed:,.0f}", fontsize=7, va="center")
     ax2.set_yscale("log")
     ax2.set_xticks(x, [b[0] for b in bars], rotation=15, ha="right", fontsize=8)
     ax2.set_ylabel("ratio (log)")
-    ax2.set_title("Three honest views of '22,580' (dashed: seed's rounded figure)")
+    ax2.set_title("Three honest views of '22,580' (dashed: the rounded headline figure)")
     fig.tight_layout()
     return fig
 
@@ -167,7 +167,7 @@ def table(r: dict) -> str:
     ]
     if "ratio_total_vs_gpt2_xl_vocab50304" in r:
         ratios.insert(2, ["K3 total / GPT-2 XL total (vocab 50304)", f"{r['ratio_total_vs_gpt2_xl_vocab50304']:,.2f}", ""])
-    t2 = common.format_table(["ratio", "computed", "seed says"], ratios)
+    t2 = common.format_table(["ratio", "computed", "headline"], ratios)
     t3 = common.format_table(["K3 component", "params", "share"],
                              [[GROUPS.get(c, c), f"{m['kimi_k3']['components'][c]:,}", f"{100 * s:.3f}%"]
                               for c, s in r["k3_component_shares"].items()])

@@ -332,10 +332,6 @@ def table(record: dict) -> str:
     return "\n".join([C.format_table(headers, rows, title), "", _advantage_text(record["advantage"])])
 
 
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",")]
-
-
 def main(argv=None) -> dict:
     parser = C.make_parser(NAME, __doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -344,8 +340,8 @@ def main(argv=None) -> dict:
                         help="width of both models (heads stay head_dim wide; FFN 4x): AttnRes's step cost vs width")
     parser.add_argument("--block", type=C.positive_int, default=None, help="AttnRes block size in layers")
     parser.add_argument("--steps", type=C.positive_int, default=None, help="training steps of the compared runs")
-    parser.add_argument("--lrs", type=_floats, default=None, help="comma-separated peak learning rates")
-    parser.add_argument("--baseline-budgets", type=_floats, default=None,
+    parser.add_argument("--lrs", type=C.floats, default=None, help="comma-separated peak learning rates")
+    parser.add_argument("--baseline-budgets", type=C.floats, default=None,
                         help="extra plain runs as multiples of --steps (> 1), e.g. 1.25,1.5")
     parser.add_argument("--compile-workers", type=C.positive_int, default=None,
                         help="threads compiling upcoming runs (default: cores - 1, at most 8)")

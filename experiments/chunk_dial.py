@@ -1,4 +1,4 @@
-"""The chunk dial (seed 001 §04c-d): FLOPs fall as C shrinks; wall-clock does not.
+"""The chunk dial of the chunked form: FLOPs fall as the chunk C shrinks; wall-clock does not.
 
     python -m experiments.chunk_dial [--quick] [--out results] [--seq-len T] [--head-dim d]
                                      [--heads H] [--batch B] [--repeats N] [--rules ...]
@@ -7,13 +7,17 @@ For every chunk size C = 1, 2, 4, …, T this times the chunked form of
 ``lineage_jax.memory.linear_attention`` and ``lineage_jax.memory.delta_rule`` on the
 current default JAX device (``jax.jit``, two warm-up calls, then the median of N
 timed calls, each ended by ``block_until_ready``) and sets it beside the analytic
-cost of seed 001 §04c, per (batch, head)::
+cost of the chunked form, per (batch, head)::
 
     linear attention:  2·L·d² + 2·L·C·d       (state fold + read; intra-chunk attention)
     delta rule:        3·L·d² + 4·L·C·d       (+ the W·S₀ correction; + the C×C key overlaps
                                                and the triangular solve applied to β[K|V])
 
-counted as the seed counts them: one multiply-add = one FLOP. (Achieved throughput
+counted as multiply-adds: one multiply-add = one FLOP (the per-term counts are this
+module's). The chunked form is that of Yang et al., "Gated Linear Attention Transformers
+with Hardware-Efficient Training" (2023, arXiv:2312.06635) and, for the delta rule, Yang
+et al., "Parallelizing Linear Transformers with the Delta Rule over Sequence Length" (2024,
+arXiv:2406.06484). (Achieved throughput
 ``achieved_flop_per_s`` counts two per multiply-add.) The FLOP-optimal C is the
 smallest; the wall-clock optimum sits at the bottom of a U. Every timed output is
 also checked against the token-by-token ``mode="recurrent"`` scan (which is timed
@@ -44,7 +48,7 @@ FORMULAS = {"linear_attention": "2*L*d^2 + 2*L*C*d", "delta_rule": "3*L*d^2 + 4*
 
 
 def analytic_flops(rule: str, L: int, C: int, d: int, batch_heads: int = 1) -> float:
-    """Seed 001 §04c's cost law (multiply-adds) for one sequence of ``L`` tokens, all heads."""
+    """The chunked form's cost law (multiply-adds) for one sequence of ``L`` tokens, all heads."""
     if rule == "linear_attention":
         per_head = 2 * L * d * d + 2 * L * C * d
     elif rule == "delta_rule":
@@ -147,7 +151,7 @@ def dial(quick: bool = False, *, seq_len: Optional[int] = None, head_dim: Option
                 "flops_ratio_best_vs_C1": fl[best] / fl[0],
             }
     return {"params": p, "chunk_sizes": Cs, "rules": results,
-            "flop_convention": "seed 001 §04c: one multiply-add = one FLOP; achieved_flop_per_s counts two"}
+            "flop_convention": "one multiply-add = one FLOP; achieved_flop_per_s counts two"}
 
 
 def _plot(res: dict):

@@ -211,6 +211,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def floats(text: str) -> list[float]:
+    """``"1e-3,3e-3"`` -> ``[0.001, 0.003]`` (an argparse type)."""
+    return [float(v) for v in text.split(",")]
+
+
 def power_of_two(text: str) -> int:
     """argparse type: a power of two >= 2."""
     value = positive_int(text)
@@ -268,7 +273,7 @@ def _cell(value: Any) -> str:
 
 
 def fmt_bytes(n: float) -> str:
-    """Decimal units (1 MB = 1e6 B), as the seeds and GPU spec sheets use."""
+    """Decimal units (1 MB = 1e6 B), as GPU spec sheets use."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"

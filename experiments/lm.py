@@ -9,7 +9,7 @@ are spread evenly over the *train* split, validation rows over the *val* split (
 file-name hash, so no file is in both). Rows are packed without state resets (the mask
 drops every cross-document target), identically for every architecture.
 
-**Main table**: the scorecard's eight architectures (``scorecard.ARCHITECTURES``: GPT-2
+**Main table**: the scorecard's eight architectures (``architectures.ARCHITECTURES``: GPT-2
 softmax with learned positions, linear attention, DeltaNet, Gated DeltaNet, KDA, MLA with
 RoPE, the Kimi Linear 3:1 KDA:MLA hybrid with MoE, and a K3-style hybrid with latent MoE,
 SiTU, the bounded gate and AttnRes), each repeated to ``layers`` layers. **Measured**: the
@@ -57,8 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import architectures as A
 from experiments import common as C
-from experiments import scorecard as S
 from experiments import trainer as T
 from lineage_jax import accounting
 from lineage_jax import data as D
@@ -66,7 +66,7 @@ from lineage_jax.models import ModelConfig
 
 NAME = "lm"
 VOCAB = 256  # the byte tokenizer
-KEYS = tuple(S.KEYS)  # gpt2, linear, deltanet, gdn, kda, mla, kimi_linear, k3
+KEYS = tuple(A.KEYS)  # gpt2, linear, deltanet, gdn, kda, mla, kimi_linear, k3
 REFERENCE = "gpt2"  # whose parameter count is the budget
 ABLATION = (("1:1", "KM"), ("3:1", "KKKM"), ("7:1", "KKKKKKKM"), ("MLA only", "M"))  # (KDA:MLA, repeating unit)
 ABLATION_BASE = "kimi_linear"
@@ -214,9 +214,8 @@ def bits_per_byte(nats: float) -> float:
 # ----------------------------------------------------------------------------
 def base_config(label: str, pattern: str, extra: dict, b: Budget) -> ModelConfig:
     """The scorecard's recipe (FFN 4d, MoE experts d wide, MLA sizes from the head) at this width."""
-    sb = dataclasses.replace(S.WIDE, d_model=b.d_model, head_dim=b.head_dim, seq_len=b.seq_len, vocab=VOCAB,
-                             decode_context=b.seq_len, decode_tokens=0)
-    return S.model_config(label, pattern, extra, sb).replace(chunk_size=min(64, b.seq_len))
+    return A.model_config(label, pattern, extra, d_model=b.d_model, head_dim=b.head_dim, vocab=VOCAB,
+                          max_seq_len=b.seq_len, chunk_size=min(64, b.seq_len))
 
 
 def budget_params(cfg: ModelConfig, match: str) -> int:
@@ -252,14 +251,14 @@ def architecture_table(b: Budget) -> tuple[list[tuple[str, str, ModelConfig]], l
     """``(main, ablation)``: ``(key, label, unmatched config)`` rows at this budget's depth."""
     if b.layers % 8:
         raise ValueError(f"layers: must be a multiple of 8 (the 7:1 ablation unit), got {b.layers}")
-    table = {label: (pattern, extra) for label, pattern, extra in S.ARCHITECTURES}
+    table = {label: (pattern, extra) for label, pattern, extra in A.ARCHITECTURES}
     main = []
     for key in dict.fromkeys((REFERENCE, *b.archs)):
-        pattern, extra = table[S.KEYS[key]]
-        main.append((key, S.KEYS[key], base_config(S.KEYS[key], pattern * (b.layers // len(pattern)), extra, b)))
+        pattern, extra = table[A.KEYS[key]]
+        main.append((key, A.KEYS[key], base_config(A.KEYS[key], pattern * (b.layers // len(pattern)), extra, b)))
     ablation = []
     if b.ablation:
-        _, extra = table[S.KEYS[ABLATION_BASE]]
+        _, extra = table[A.KEYS[ABLATION_BASE]]
         for ratio, unit in ABLATION:
             label = f"Kimi Linear {ratio}" if unit != "M" else "Kimi Linear, MLA only"
             ablation.append((ratio, label, base_config(label, unit * (b.layers // len(unit)), extra, b)))
@@ -385,17 +384,13 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",")]
-
-
 def main(argv=None) -> dict:
     parser = C.make_parser(NAME, __doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--archs", type=lambda t: t.split(","), default=None,
                         help=f"comma-separated subset of: {','.join(KEYS)}")
     parser.add_argument("--steps", type=C.positive_int, default=None, help="training steps per model")
-    parser.add_argument("--lrs", type=_floats, default=None, help="comma-separated peak learning rates")
+    parser.add_argument("--lrs", type=C.floats, default=None, help="comma-separated peak learning rates")
     parser.add_argument("--match", choices=MATCH, default=None,
                         help="match non-embedding 'total' parameters (default) or 'active' ones")
     parser.add_argument("--no-ablation", action="store_true", help="skip the KDA:MLA ratio ablation")

@@ -1,4 +1,4 @@
-"""The memory wall (seed 001 §01d): cache and state bytes of one sequence vs context.
+"""The memory wall: cache and state bytes of one sequence vs context.
 
     python -m experiments.memory_wall [--quick] [--out results]
 

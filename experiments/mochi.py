@@ -1,17 +1,26 @@
-"""Mochi on a 4 × 4 board: seed 001's d = 4 worked examples, computed by the library.
+"""Mochi on a 4 × 4 board: worked d = 4 examples of every update rule, computed by the library.
 
 Every number comes out of :mod:`lineage_jax.memory` (``linear_attention``,
 ``delta_rule``, ``delta_rule_step``, ``delta_corrections``, ``gated_delta_rule``,
-``kda``) fed with the seed's keys, values, gates and write strengths; nothing
-below is an answer typed in. The tests compare the results to the seed's
-printed numbers.
+``kda``) fed with small hand-checkable keys, values, gates and write strengths;
+nothing below is an answer typed in. The tests compare the results to the same
+examples worked by hand.
+
+The examples, one per step of the lineage: an outer-product write and its read-back
+(linear attention); interference of two overlapping keys; the delta rule's overwrite
+(Schlag et al., "Linear Transformers Are Secretly Fast Weight Programmers", 2021,
+arXiv:2102.11174); the chunked form's triangular (WY) solve against the sequential rule
+(Yang et al., "Parallelizing Linear Transformers with the Delta Rule over Sequence
+Length", 2024, arXiv:2406.06484); a scalar decay gate (Gated DeltaNet: Yang, Kautz,
+Hatamizadeh, 2024, arXiv:2412.06464); and a per-channel gate (KDA: Kimi Team, "Kimi
+Linear", 2025, arXiv:2510.26692).
 
     python -m experiments.mochi [--quick] [--out results] [--json]
 
-Inputs (seed 001, §02e/§03d/§04e/§05d/§06c; Silver's value is the widget's):
+Inputs:
 ``k_cat = [1,0,0,0]``, ``k_dog = [0.6,0.8,0,0]``, ``v_Mochi = [2,1,0,1]``,
-``v_Rex = [0,3,1,2]``, ``v_Biscuit = [1,0,2,2]``. ``scale = 1`` throughout (the
-seed reads ``o = qS`` with no ``1/√d``).
+``v_Rex = [0,3,1,2]``, ``v_Biscuit = [1,0,2,2]``, and a second stored value (Silver's, row 2).
+``scale = 1`` throughout (reads are ``o = qS`` with no ``1/√d``).
 """
 
 from __future__ import annotations
@@ -49,11 +58,11 @@ MOCHI = [2.0, 1.0, 0.0, 1.0]
 REX = [0.0, 3.0, 1.0, 2.0]
 BISCUIT = [1.0, 0.0, 2.0, 2.0]
 SILVER = [3.0, 0.0, 1.0, 0.0]
-# §06c: junk written on channels 2-3, and the context-switch gate α = 0.2.
+# Per-channel gate: junk written on channels 2-3, and the context-switch gate α = 0.2.
 JUNK_KEY = [0.0, 0.0, 0.6, 0.8]
 JUNK = [5.0, 5.0, 5.0, 5.0]
 SWITCH_ALPHA = 0.2
-# §05d: Mochi written at step 3, gates 0.9, 0.5, 0.9 at steps 4-6, read at step 6.
+# Scalar gate: Mochi written at step 3, gates 0.9, 0.5, 0.9 at steps 4-6, read at step 6.
 SURVIVAL_GATES = [0.9, 0.5, 0.9]
 
 
@@ -90,7 +99,7 @@ def _board(S) -> list:
 # The examples.
 # ----------------------------------------------------------------------------
 def read_back() -> dict:
-    """§02d: store ``S = kᵀv``; reading with ``k`` returns ``|k|² v`` (exactly ``v`` for a unit key)."""
+    """Read-back: store ``S = kᵀv``; reading with ``k`` returns ``|k|² v`` (exactly ``v`` for a unit key)."""
     _, S_unit = M.linear_attention(_seq(DOG), _seq(DOG), _seq(REX), scale=1.0)
     long_key = [0.0, 2.0, 0.0, 0.0]
     _, S_long = M.linear_attention(_seq(long_key), _seq(long_key), _seq(REX), scale=1.0)
@@ -103,7 +112,7 @@ def read_back() -> dict:
 
 
 def interference() -> dict:
-    """§02e: cat→Mochi then dog→Rex, additively; read "cat"."""
+    """Interference: cat→Mochi then dog→Rex, additively; read "cat"."""
     o, S = M.linear_attention(_seq(CAT, CAT), _seq(CAT, DOG), _seq(MOCHI, REX), scale=1.0)
     read = np.asarray(o[0, 1, 0], np.float64)
     overlap = float(np.dot(CAT, DOG))
@@ -116,7 +125,7 @@ def interference() -> dict:
 
 
 def overwrite() -> dict:
-    """§03d clean case: board cat→Mochi (row 0), Silver (row 2); delta write cat→Biscuit with β = 1."""
+    """Delta-rule overwrite, clean case: board cat→Mochi (row 0), Silver (row 2); delta write cat→Biscuit with β = 1."""
     q = k = _seq(CAT, SILVER_KEY, CAT)
     o, S_after = M.delta_rule(q, k, _seq(MOCHI, SILVER, BISCUIT), _ones(3), scale=1.0)
     _, S_before = M.delta_rule(q[:, :2], k[:, :2], _seq(MOCHI, SILVER), _ones(2), scale=1.0)
@@ -131,7 +140,7 @@ def overwrite() -> dict:
 
 
 def contaminated() -> dict:
-    """§03d honest case: Rex bled into row 0 additively; then the delta write cat→Biscuit."""
+    """Delta-rule overwrite, honest case: Rex bled into row 0 additively; then the delta write cat→Biscuit."""
     _, S = M.linear_attention(_seq(CAT, DOG), _seq(CAT, DOG), _seq(MOCHI, REX), scale=1.0)
     o, S2 = M.delta_rule_step(_tok(CAT), _tok(CAT), _tok(BISCUIT), jnp.ones((1, 1)), S, scale=1.0)
     cat_before, dog_before, dog_after = _read(CAT, S), _read(DOG, S), _read(DOG, S2)
@@ -145,7 +154,7 @@ def contaminated() -> dict:
 
 
 def wy_solve() -> dict:
-    """§04e, C = 2: the triangular solve's u₂ equals the sequential rule's correction."""
+    """Chunked (WY) solve, C = 2: the triangular solve's u₂ equals the sequential rule's correction."""
     u = M.delta_corrections(_seq(CAT, DOG), _seq(MOCHI, REX), _ones(2))
     # Sequential: after writing Mochi, token 2 reads v_old = k₂ S₁ and writes u₂ = β(v₂ − v_old).
     _, S1 = M.delta_rule(_seq(CAT), _seq(CAT), _seq(MOCHI), _ones(1), scale=1.0, mode="recurrent")
@@ -164,7 +173,7 @@ def wy_solve() -> dict:
 
 
 def survival() -> dict:
-    """§05d: Mochi written at step 3, gates 0.9, 0.5, 0.9 at steps 4-6, read "cat" at step 6."""
+    """Scalar gate: Mochi written at step 3, gates 0.9, 0.5, 0.9 at steps 4-6, read "cat" at step 6."""
     T = 3 + len(SURVIVAL_GATES)
     alpha = np.ones(T)
     alpha[3:] = SURVIVAL_GATES
@@ -186,7 +195,7 @@ def survival() -> dict:
 
 
 def twin_boards() -> dict:
-    """§06c: Mochi on channel 0, junk on channels 2-3, then a context switch.
+    """Per-channel gate: Mochi on channel 0, junk on channels 2-3, then a context switch.
 
     Gated DeltaNet's one scalar gate slams the whole board to α = 0.2; KDA's per-channel
     gate slams only the junk channels. Read "cat" after the switch.
@@ -236,7 +245,7 @@ def _plot(res: dict):
         ax.set_xticks(range(4), [f"v{j}" for j in range(4)])
         ax.set_yticks(range(4), [f"k{i}" for i in range(4)])
     fig.colorbar(im, ax=axes, shrink=0.6, label="state cell S[k, v]")
-    fig.suptitle("Seed 001's d = 4 boards, computed with lineage_jax.memory (rows k = key channels, columns v = value channels)")
+    fig.suptitle("The d = 4 boards, computed with lineage_jax.memory (rows k = key channels, columns v = value channels)")
     return fig
 
 
@@ -288,12 +297,12 @@ def table(r: dict) -> str:
         ("twin boards: KDA keeps Mochi ×", tb["kda_mochi_kept"]),
         ("twin boards: junk kept GDN / KDA", f"{tb['gdn_junk_kept']:.4g} / {tb['kda_junk_kept']:.4g}"),
     ]
-    return common.format_table(["quantity (seed 001, d = 4)", "computed by lineage_jax.memory"], rows,
+    return common.format_table(["quantity (d = 4, worked by hand)", "computed by lineage_jax.memory"], rows,
                                title=f"Mochi on a 4x4 board — {r['device']['description']}, jax {r['jax_version']}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    parser = common.make_parser(NAME, "Seed 001's d = 4 worked examples, computed with lineage_jax.memory.")
+    parser = common.make_parser(NAME, "Worked d = 4 examples of every update rule, computed with lineage_jax.memory.")
     parser.add_argument("--json", action="store_true", help="print the result record as one JSON object instead of the table")
     return common.main_for(NAME, parser, run, table, argv)
 

@@ -68,18 +68,16 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
+from experiments import architectures as A
 from experiments import common as C
-from experiments import scorecard as S
 from experiments import trainer as T
 from lineage_jax import accounting
 from lineage_jax import data as D
-from lineage_jax.models import ModelConfig
 
 NAME = "mqar"
 ZOOLOGY_PAIRS = {64: 4, 128: 8, 256: 16, 512: 64}  # sequence length -> key-value pairs (Zoology Figure 2)
 ZOOLOGY_LRS = tuple(float(f"{lr:.3g}") for lr in np.logspace(-4, -2, 4))  # 1e-4, 4.64e-4, 2.15e-3, 1e-2
-KEYS = tuple(S.KEYS)  # gpt2, linear, deltanet, gdn, kda, mla, kimi_linear, k3
-HEAD_DIM = 64
+KEYS = tuple(A.KEYS)  # gpt2, linear, deltanet, gdn, kda, mla, kimi_linear, k3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,50 +98,6 @@ FULL = Budget(archs=KEYS, lengths=tuple(ZOOLOGY_PAIRS.items()), widths=(64, 128,
               tokens_per_step=1 << 14, vocab=8192, max_train_rows=100_000, test_rows=1000)
 QUICK = Budget(archs=("gpt2", "deltanet"), lengths=((64, 4),), widths=(64,), lrs=(2.15e-3, 1e-2), steps=150,
                tokens_per_step=1 << 12, vocab=512, max_train_rows=9600, test_rows=128)
-
-
-# ----------------------------------------------------------------------------
-# Architectures and configs (shared with experiments.niah).
-# ----------------------------------------------------------------------------
-def architectures(keys: Optional[Sequence[str]], layers: int, arg: str = "archs") -> list[tuple[str, str, str, dict]]:
-    """``(key, label, pattern, extra)`` of the scorecard's architectures, cut to ``layers`` layers.
-
-    A pure pattern keeps its letter (``SSSS`` -> ``SS``); a hybrid keeps its last layer's mixer
-    and fills the rest with the first (``KKKM`` -> ``KM``: 1:1 is all two layers allow).
-    """
-    keys = KEYS if keys is None else tuple(keys)
-    named = {**S.KEYS, **S.EXTRA_KEYS}  # the card's rows, and the diagnostic rows when asked for
-    unknown = [k for k in keys if k not in named]
-    if unknown or not keys:
-        raise ValueError(f"{arg}: unknown architecture(s) {unknown or keys!r}; valid: {','.join(named)}")
-    table = {label: (pattern, extra) for label, pattern, extra in S.ARCHITECTURES + S.EXTRA_ARCHITECTURES}
-    out = []
-    for key in keys:
-        pattern, extra = table[named[key]]
-        pattern = pattern[0] * (layers - 1) + pattern[-1]
-        extra = dict(extra, attnres_block=min(extra["attnres_block"], layers)) if "attnres_block" in extra else extra
-        out.append((key, named[key], pattern, extra))
-    return out
-
-
-def check_widths(widths: Sequence[int], arg: str = "widths") -> tuple[int, ...]:
-    """Widths must give whole 64-wide heads (or one narrower head, a multiple of 16)."""
-    for d in widths:
-        if not isinstance(d, (int, np.integer)) or d <= 0:
-            raise ValueError(f"{arg}: d_model must be a positive int, got {d!r}")
-        if d % 16 or (d > HEAD_DIM and d % HEAD_DIM):
-            raise ValueError(f"{arg}: d_model={d} must be a multiple of 16, and of {HEAD_DIM} above {HEAD_DIM}")
-    if not widths:
-        raise ValueError(f"{arg}: give at least one d_model")
-    return tuple(dict.fromkeys(int(d) for d in widths))
-
-
-def model_config(label: str, pattern: str, extra: dict, d_model: int, seq_len: int, vocab: int) -> ModelConfig:
-    """The scorecard's config recipe (FFN 4d, MoE experts d wide, MLA sizes from the head) at this
-    width, with 64-wide heads, room for ``seq_len`` positions and a chunk of up to 64 tokens."""
-    b = dataclasses.replace(S.WIDE, d_model=d_model, head_dim=min(HEAD_DIM, d_model), seq_len=seq_len, vocab=vocab,
-                            decode_context=seq_len, decode_tokens=0)
-    return S.model_config(label, pattern, extra, b).replace(chunk_size=min(64, seq_len))
 
 
 # ----------------------------------------------------------------------------
@@ -173,9 +127,9 @@ def make_budget(quick: bool, archs=None, lengths=None, widths=None, lrs=None, st
     if steps is not None and steps < 1:
         raise ValueError(f"steps: must be >= 1, got {steps}")
     b = dataclasses.replace(
-        b, archs=tuple(dict.fromkeys(a[0] for a in architectures(archs or b.archs, b.layers))),
+        b, archs=tuple(dict.fromkeys(a[0] for a in A.select(archs or b.archs, b.layers))),
         lengths=b.lengths if lengths is None else parse_lengths(lengths),
-        widths=b.widths if widths is None else check_widths(widths),
+        widths=b.widths if widths is None else A.check_widths(widths),
         lrs=b.lrs if lrs is None else tuple(float(lr) for lr in lrs), steps=steps or b.steps)
     for L, N in b.lengths:
         if L > b.tokens_per_step:
@@ -211,10 +165,10 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     if merge:
         return merged(merge, out)
     b = make_budget(quick, archs, lengths, widths, lrs, steps)
-    plan = [(L, N, d, arch) for L, N in b.lengths for d in b.widths for arch in architectures(b.archs, b.layers)]
+    plan = [(L, N, d, arch) for L, N in b.lengths for d in b.widths for arch in A.select(b.archs, b.layers)]
     jobs = []
     for L, N, d, (key, label, pattern, extra) in plan:
-        sweep = T.LRSweep(model_config(label, pattern, extra, d, L, b.vocab), lrs=b.lrs, steps=b.steps,
+        sweep = T.LRSweep(A.wide_head_config(label, pattern, extra, d, L, b.vocab), lrs=b.lrs, steps=b.steps,
                           batch=b.tokens_per_step // L, seed=seed)
         jobs.append((sweep, dict(train_rows=train_rows(b, L), seq_len=L, eval_shapes=[(len(b.lrs), b.test_rows, L)])))
 
@@ -335,10 +289,6 @@ def table(record: dict) -> str:
     return C.format_table(headers, rows, title)
 
 
-def floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",")]
-
-
 def main(argv=None) -> dict:
     parser = C.make_parser(NAME, __doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -349,7 +299,7 @@ def main(argv=None) -> dict:
                         help="comma-separated d_model values (default 64,128,256)")
     parser.add_argument("--lengths", type=lambda t: t.split(","), default=None,
                         help="comma-separated L (Zoology's pairs: 64:4,128:8,256:16,512:64) or L:pairs")
-    parser.add_argument("--lrs", type=floats, default=None, help="comma-separated peak learning rates")
+    parser.add_argument("--lrs", type=C.floats, default=None, help="comma-separated peak learning rates")
     parser.add_argument("--compile-workers", type=C.positive_int, default=None,
                         help="threads compiling upcoming runs (default: cores - 1, at most 8)")
     parser.add_argument("--merge", type=lambda t: t.split(","), default=None,

@@ -14,8 +14,9 @@ scored on held-out sequences at several context lengths, shorter and longer than
 sequences whose passkey is reproduced exactly (every digit's teacher-forced argmax right,
 which is what greedy decoding would emit: RULER's metric); *digit accuracy*; and passkey
 accuracy by needle depth (``depth_bins`` equal bins over the depths of the same held-out
-sequences, no extra passes). The seeds' prediction (GDN paper, Mamba2 99 -> 30% from 1K
-to 8K): pure-decay and additive memories fade as the haystack grows; attention and the
+sequences, no extra passes). The prediction (Yang, Kautz, Hatamizadeh, "Gated Delta
+Networks: Improving Mamba2 with Delta Rule", 2024, arXiv:2412.06464: Mamba2 99 -> 30% on
+S-NIAH-1 from 1K to 8K): pure-decay and additive memories fade as the haystack grows; attention and the
 delta rules hold. Out-of-length caveats are part of the result: GPT-2's learned positions
 are untrained beyond the training length and RoPE-MLA extrapolates poorly, while NoPE
 (the hybrids' MLA) and the fixed-state memories have nothing position-specific to break.
@@ -49,14 +50,14 @@ from typing import Optional
 import jax
 import numpy as np
 
+from experiments import architectures as A
 from experiments import common as C
-from experiments import mqar as M
 from experiments import trainer as T
 from lineage_jax import accounting
 from lineage_jax import data as D
 
 NAME = "niah"
-KEYS = M.KEYS
+KEYS = tuple(A.KEYS)
 TOKENIZER = "byte"
 
 
@@ -99,8 +100,8 @@ def make_budget(quick: bool, archs=None, steps=None, d_model=None, train_len=Non
     if eval_lens is not None and not eval_lens:
         raise ValueError("eval_lens: give at least one context length")
     return dataclasses.replace(
-        b, archs=tuple(a[0] for a in M.architectures(archs or b.archs, b.layers)), steps=steps or b.steps,
-        d_model=b.d_model if d_model is None else M.check_widths([d_model], "d_model")[0],
+        b, archs=tuple(a[0] for a in A.select(archs or b.archs, b.layers)), steps=steps or b.steps,
+        d_model=b.d_model if d_model is None else A.check_widths([d_model], "d_model")[0],
         train_len=b.train_len if train_len is None else _check_length(train_len, "train_len"),
         eval_lens=b.eval_lens if eval_lens is None else tuple(sorted({_check_length(L, "eval_lens")
                                                                       for L in eval_lens})),
@@ -127,13 +128,13 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
         compile_workers: Optional[int] = None) -> dict:
     """Train every architecture at ``train_len``; score passkey retrieval at each ``eval_lens`` length."""
     b = make_budget(quick, archs, steps, d_model, train_len, eval_lens, lrs)
-    arch_table = M.architectures(b.archs, b.layers)
+    arch_table = A.select(b.archs, b.layers)
     vocab = D.PasskeyNIAH(seq_len=b.train_len, tokenizer=TOKENIZER).vocab_size
     max_len = max(b.train_len, *b.eval_lens)
     train_rows = min(b.steps * b.batch, b.max_train_rows)
     jobs = []
     for key, label, pattern, extra in arch_table:
-        cfg = M.model_config(label, pattern, extra, b.d_model, max_len, vocab)  # positions / caches for every length
+        cfg = A.wide_head_config(label, pattern, extra, b.d_model, max_len, vocab)  # positions / caches for every length
         sweep = T.LRSweep(cfg, lrs=b.lrs, steps=b.steps, batch=b.batch, seed=seed)
         shapes = [(len(b.lrs), b.eval_rows, b.train_len)] + [(1, b.eval_rows, L) for L in b.eval_lens]
         jobs.append((sweep, dict(train_rows=train_rows, seq_len=b.train_len, eval_shapes=shapes)))
@@ -224,7 +225,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--train-len", type=C.positive_int, default=None, help="training context (default 512)")
     parser.add_argument("--eval-lens", type=lambda t: [int(v) for v in t.split(",")], default=None,
                         help="comma-separated evaluation contexts (default 256,512,...,8192)")
-    parser.add_argument("--lrs", type=M.floats, default=None, help="comma-separated peak learning rates")
+    parser.add_argument("--lrs", type=C.floats, default=None, help="comma-separated peak learning rates")
     return C.main_for(NAME, parser, run, table, argv)
 
 

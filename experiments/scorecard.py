@@ -1,4 +1,4 @@
-"""The seeds' eight-row scorecard, measured: who remembers, who forgets, what it costs.
+"""The eight-row scorecard of the lineage, measured: who remembers, who forgets, what it costs.
 
     python -m experiments.scorecard [--quick] [--out results]
     python -m experiments.scorecard --only gpt2,linear,deltanet,gdn --out part_a     # split a long run
@@ -53,6 +53,8 @@ import numpy as np
 
 from experiments import common as C
 from experiments import trainer as T
+from experiments.architectures import ARCHITECTURES, EXTRA_ARCHITECTURES, EXTRA_KEYS, KEYS
+from experiments.architectures import model_config as architecture_config
 from lineage_jax import accounting
 from lineage_jax import data as D
 from lineage_jax.models import ModelConfig
@@ -61,51 +63,15 @@ NAME = "scorecard"
 PROBES = ("mqar", "overwrite", "fade", "mixed_half_lives")
 PROBE_LABELS = {"mqar": "recall", "overwrite": "overwrite", "fade": "fade", "mixed_half_lives": "mixed half-lives"}
 
-# (label, pattern, extra config fields); KEYS give each a short name for --only.
-ARCHITECTURES = [
-    ("GPT-2 (softmax + KV cache)", "SSSS", dict(positions="learned", norm="layernorm", ffn_kind="gelu", attn_bias=True)),
-    ("Linear attention", "LLLL", {}),
-    ("DeltaNet", "DDDD", {}),
-    ("Gated DeltaNet", "GGGG", {}),
-    ("KDA", "KKKK", {}),
-    ("MLA", "MMMM", dict(mla_rope=True)),
-    ("Kimi Linear 3:1 (KDA+MLA, MoE)", "KKKM", dict(first_dense_layers=1, num_experts=8, top_k=2, num_shared_experts=1)),
-    ("K3-style (latent MoE, SiTU, AttnRes)", "KKKM", dict(
-        first_dense_layers=1, num_experts=8, top_k=2, num_shared_experts=2, moe_activation="situ", ffn_kind="situ",
-        kda_gate="bounded", kda_output_gate="full", mla_output_gate=True, attnres_block=2)),
-]
+# The rows (ARCHITECTURES: the card; EXTRA_ARCHITECTURES: diagnostic rows, run only when named
+# in --only) and their short keys come from experiments.architectures.
 
-KEYS = dict(zip(["gpt2", "linear", "deltanet", "gdn", "kda", "mla", "kimi_linear", "k3"], [a[0] for a in ARCHITECTURES]))
-
-# Diagnostic rows, run only when named in --only (not part of the card). GPT-2 is the one
-# softmax row that did not learn the probes in the budget (H200: val accuracy 0.04 / 0.50 at
-# lr 1e-3 / 3e-3, fade doc B 0.04; a second run 0.64, doc B 0.07), while MLA (RoPE, RMSNorm,
-# SwiGLU) reached 1.00. GPT-2 without its learned positions (NoPE; order from the causal mask
-# alone) learned nothing (H200, 2026-11-29; that run also had the default attention init — the
-# GPT-2 init then keyed on learned positions; it now covers every LayerNorm row), and GPT-2 with
-# RoPE instead of learned positions asks whether a relative position signal is what it lacks:
-# `--only gpt2,gpt2_nope,gpt2_rope`.
-# Gated DeltaNet without its output gate: GDN's full SiLU output gate (fla's GatedDeltaNet) is
-# what kept it from learning MQAR at d 64 (H200: 0.003, and 0.998 with the gate off —
-# docs/results.md), so `--only gdn,gdn_nogate` (or mqar `--archs`) measures the gate.
-# KDA without its low-rank sigmoid output gate: the same question for KDA, which learned MQAR at
-# L 64 but not at (128, 8) in 600 H200 steps (0.005 at d 64, 0.086 at d 128; DeltaNet 0.99) —
-# on the CPU the gate turned out a small factor (0.733 -> 0.811 at (64, 4)), so KDA with A = 1 at
-# init (Mamba-2's A ~ U[1, 16] forgets up to 16x, on average 8.5x, faster before the gate learns)
-# asks about the decay.
-EXTRA_ARCHITECTURES = [
-    ("GPT-2 without positions (NoPE)", "SSSS", dict(positions="none", norm="layernorm", ffn_kind="gelu",
-                                                    attn_bias=True)),
-    ("Gated DeltaNet, no output gate", "GGGG", dict(gdn_output_gate="none")),
-    ("KDA, no output gate", "KKKK", dict(kda_output_gate="none")),
-    ("GPT-2 with RoPE (no learned positions)", "SSSS", dict(positions="rope", norm="layernorm", ffn_kind="gelu",
-                                                            attn_bias=True)),
-    ("KDA, A = 1 at init (slower initial decay)", "KKKK", dict(decay_a_init="unit")),
-]
-EXTRA_KEYS = dict(zip(["gpt2_nope", "gdn_nogate", "kda_nogate", "gpt2_rope", "kda_unit_a"],  # KEYS stays the card
-                      [a[0] for a in EXTRA_ARCHITECTURES]))
-
-# The seeds' predictions (000/001), stated before measuring: which architectures fail which probe.
+# The predictions, stated before measuring: which architectures fail which probe. Linear attention
+# only adds to its state, so it cannot recall past its capacity nor overwrite (the delta rule's
+# motivation: Schlag et al. 2021, arXiv:2102.11174); DeltaNet has no forgetting, so stale facts
+# crowd fresh ones (Gated DeltaNet's motivation: Yang, Kautz, Hatamizadeh 2024, arXiv:2412.06464);
+# one scalar gate per head cannot keep long-lived facts while fading junk (KDA's per-channel gate:
+# Kimi Team 2025, arXiv:2510.26692).
 PREDICTED_FAIL = {
     "mqar": ["Linear attention"],
     "overwrite": ["Linear attention"],
@@ -149,12 +115,12 @@ WIDE = Budget(d_model=256, head_dim=64, seq_len=256, batch=64, steps=3000, lrs=(
               eval_sequences=512, max_train_rows=60_000, decode_context=4096, decode_tokens=64)
 # The default: capacity pressure. WIDE (the first full budget, ``--budget wide``) put no pressure
 # on fade / mixed half-lives (24 + 24 facts against 4 heads × 64 key dims per layer: DeltaNet and
-# GDN scored 1.00 on every probe on an H200), so the seeds' predictions for them could not be
+# GDN scored 1.00 on every probe on an H200), so the predictions for them could not be
 # tested. Here every probe's live facts reach a head's key dim (32): mqar / overwrite 32 facts;
 # fade 32 + 32 facts with seq_len = 4·64, so doc B is written and queried exactly once (no
 # re-write passes); mixed 16 long-lived facts under a junk stream with lags up to 16. On the
 # H200 (2026-11-29, docs/results.md) DeltaNet, GDN, KDA, MLA and both hybrids still reach
-# 0.95–1.00 on every probe and query kind here: the per-kind gaps the seeds predict are at most
+# 0.95–1.00 on every probe and query kind here: the predicted per-kind gaps are at most
 # a few points at this width.
 PRESSURE = Budget(d_model=128, head_dim=32, seq_len=256, batch=64, steps=3000, lrs=(1e-3, 3e-3), vocab=512,
                   num_facts=32, eval_sequences=512, max_train_rows=60_000, decode_context=4096, decode_tokens=64,
@@ -163,7 +129,7 @@ PRESSURE = Budget(d_model=128, head_dim=32, seq_len=256, batch=64, steps=3000, l
 # PRESSURE, 4× the facts. 128 live facts = 4× a head's key dim and all 128 key dims of a layer's
 # 4 heads: no single head, nor a layer whose heads split the facts with any slack, holds every
 # fact exactly, so the memory must choose what to evict (the 4-layer model's 512 key dims could
-# still hold them only by spreading facts over layers as well) — where the seeds' finer
+# still hold them only by spreading facts over layers as well) — where the finer
 # predictions (DeltaNet fades badly without a gate, GDN's scalar gate cannot keep long-lived
 # facts under junk while KDA's per-channel gate can) should show, if anywhere; softmax/MLA
 # caches grow instead. seq_len 1024 = 4 × (128 + 128) fills fade exactly
@@ -178,15 +144,9 @@ MARGIN = 0.05  # a predicted failure must score this far below the probe's media
 
 
 def model_config(label: str, pattern: str, extra: dict, b: Budget) -> ModelConfig:
-    heads = b.d_model // b.head_dim
-    pattern = pattern if b.layers is None else pattern[-b.layers:]
-    base = dict(name=label, vocab_size=b.vocab, d_model=b.d_model, pattern=pattern, num_heads=heads,
-                head_dim=b.head_dim, ffn_hidden=4 * b.d_model, moe_hidden=b.d_model, chunk_size=16,
-                max_seq_len=max(b.seq_len, b.decode_context + b.decode_tokens), kv_lora_rank=2 * b.head_dim,
-                qk_nope_head_dim=b.head_dim, qk_rope_head_dim=b.head_dim // 2, v_head_dim=b.head_dim,
-                moe_latent_dim=b.d_model // 2 if "moe_activation" in extra else None, conv_size=4)
-    base.update(extra)
-    return ModelConfig(**base)
+    """A row's config at this budget's width and depth, with room for the decode column."""
+    return architecture_config(label, pattern, extra, d_model=b.d_model, head_dim=b.head_dim, vocab=b.vocab,
+                               max_seq_len=max(b.seq_len, b.decode_context + b.decode_tokens), layers=b.layers)
 
 
 def reference_config(pattern: str) -> ModelConfig:
@@ -380,7 +340,7 @@ def untaught(rows: list[dict]) -> list[str]:
 
 
 def check_predictions(rows: list[dict]) -> dict:
-    """Per probe: did the architectures the seeds predict to fail score more than ``MARGIN`` below
+    """Per probe: did the architectures predicted to fail (``PREDICTED_FAIL``) score more than ``MARGIN`` below
     the probe's median over the rows that learned (``untaught`` rows excluded), and how does the
     best row score?"""
     skip = set(untaught(rows))

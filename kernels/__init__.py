@@ -8,4 +8,4 @@ can be tested against, and vendored without, the reference implementation.
   Mosaic-lowered on TPU, ``interpret=True`` on the CPU.
 """
 
-from kernels.delta import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda  # noqa: F401
+from .delta import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda  # noqa: F401

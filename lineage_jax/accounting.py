@@ -146,7 +146,8 @@ def flops_per_token(config: ConfigLike, seq_len: int) -> float:
       head: state read ``2KV``, state update ``2KV`` (plus ``2KV`` for the delta
       rules' correction ``W S``), and the intra-chunk causal attention ``C (K + V)``
       (plus ``C K`` for the decayed key overlaps of the delta rules). This is the
-      seeds' ``2Ld² + 2LCd`` law per token, with the delta-rule terms added.
+      chunked form's ``2Ld² + 2LCd`` cost per token (Yang et al. 2023, arXiv:2312.06635),
+      with the delta-rule terms added (Yang et al. 2024, arXiv:2406.06484).
     """
     cfg = _cfg(config)
     if seq_len <= 0:

@@ -4,6 +4,9 @@ Prefill runs the prompt through every layer once (filling KV caches, MLA latent
 caches and recurrent states); decode then feeds one token at a time through each
 layer's cache. Sampling: temperature, top-k, top-p (nucleus). Output streams as it
 is generated; the tokens/s of prefill and decode are reported at the end.
+
+:class:`ShardedDecoder` runs the same prefill / decode jitted on a device mesh, with the
+parameters in the sharding rules' layout and every cache split over the batch.
 """
 
 from __future__ import annotations
@@ -13,13 +16,18 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from lineage_jax.models import Decoder, ModelConfig, inference_steps
+from lineage_jax.parallel.expert import ExpertParallel, enable_expert_parallel, resolve_expert_parallel
+from lineage_jax.parallel.mesh import mesh_shape
+from lineage_jax.parallel.rules import Rules, logical_sharding, logical_to_spec, mesh_axes_of, state_shardings
 from lineage_jax.train.checkpoint import Checkpointer
 from lineage_jax.train.config import TrainConfig
 from lineage_jax.train.step import init_state
@@ -108,6 +116,79 @@ def generate(model: Decoder, prompt: list[int], *, max_new_tokens: int = 100, te
              "prefill_tokens_per_s": len(prompt) / max(t1 - t0, 1e-9), "decode_s": t2 - t1,
              "decode_tokens_per_s": len(out) / max(t2 - t1, 1e-9)}
     return out, stats
+
+
+class ShardedDecoder:
+    """Jitted ``init_cache`` / ``prefill`` / ``decode`` of a ``Decoder`` on ``mesh``.
+
+    Parameters keep the rules' shardings; every cache array is split over the batch mesh
+    axes along its batch dimension (dimension 1 for scanned layer groups, 0 otherwise).
+    ``expert_parallel="auto"`` uses expert parallelism when the batch (the tokens of one
+    decode step) divides over the batch mesh axes.
+    """
+
+    def __init__(self, model: nnx.Module, mesh: Mesh, *, batch_size: int, max_len: int,
+                 rules: Optional[Rules] = None, expert_parallel: Union[str, bool, ExpertParallel] = "auto",
+                 cache_dtype=jnp.float32):
+        for name, val in (("batch_size", batch_size), ("max_len", max_len)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"ShardedDecoder: `{name}` must be a positive int, got {val!r}")
+        if not hasattr(model, "groups_spec"):
+            raise ValueError("ShardedDecoder: `model` must be a lineage_jax Decoder")
+        self.mesh, self.rules, self.batch_size = mesh, rules, batch_size
+        sizes = mesh_shape(mesh)
+        batch_axes = [a for a in mesh_axes_of("batch", rules) if sizes.get(a, 1) > 1]
+        if expert_parallel == "auto" and batch_size % int(np.prod([sizes[a] for a in batch_axes])):
+            expert_parallel = False
+        self.expert_parallel = resolve_expert_parallel(model, mesh, rules, expert_parallel)
+        self.graphdef, state = nnx.split(model)
+        self.state_shardings = state_shardings(state, mesh, rules)
+        abstract_cache = jax.eval_shape(lambda: model.init_cache(batch_size, max_len, cache_dtype))
+        self.cache_shardings = self._cache_shardings(model, abstract_cache)
+        tok = NamedSharding(mesh, logical_to_spec(("batch",), mesh, rules, shape=(batch_size,)))
+        logits2 = NamedSharding(mesh, logical_to_spec(("batch", None), mesh, rules, shape=(batch_size, 1)))
+        logits3 = NamedSharding(mesh, logical_to_spec(("batch", None, None), mesh, rules, shape=(batch_size, 1, 1)))
+        self._init_cache = jax.jit(lambda: model.init_cache(batch_size, max_len, cache_dtype),
+                                   out_shardings=self.cache_shardings)
+        self._prefill = jax.jit(self._prefill_impl, in_shardings=(self.state_shardings, tok, self.cache_shardings),
+                                out_shardings=(logits3, self.cache_shardings), donate_argnums=(2,))
+        self._decode = jax.jit(self._decode_impl, in_shardings=(self.state_shardings, tok, self.cache_shardings),
+                               out_shardings=(logits2, self.cache_shardings), donate_argnums=(2,))
+
+    def _cache_shardings(self, model, cache):
+        def spec_for(leaf, batch_dim):
+            axes = [None] * leaf.ndim
+            axes[batch_dim] = "batch"
+            return NamedSharding(self.mesh, logical_to_spec(axes, self.mesh, self.rules, shape=leaf.shape))
+
+        layers = tuple(jax.tree.map(lambda leaf, d=(1 if n > 1 else 0): spec_for(leaf, d), group_cache)
+                       for (_, _, n), group_cache in zip(model.groups_spec, cache.layers))
+        return type(cache)(layers, spec_for(cache.length, 0))
+
+    def _model(self, state):
+        model = nnx.merge(self.graphdef, state)
+        if self.expert_parallel is not None:
+            enable_expert_parallel(model, self.expert_parallel)
+        return model
+
+    def _prefill_impl(self, state, tokens, cache):
+        with logical_sharding(self.mesh, self.rules):
+            return self._model(state).prefill(tokens, cache)
+
+    def _decode_impl(self, state, token, cache):
+        with logical_sharding(self.mesh, self.rules):
+            return self._model(state).decode(token, cache)
+
+    def init_cache(self):
+        return self._init_cache()
+
+    def prefill(self, state: nnx.State, tokens: jax.Array, cache):
+        """``tokens [B, T]`` -> ``(logits [B, T, vocab], cache)`` (``state = nnx.state(model)``)."""
+        return self._prefill(state, tokens, cache)
+
+    def decode(self, state: nnx.State, token: jax.Array, cache):
+        """``token [B]`` -> ``(logits [B, vocab], cache)``."""
+        return self._decode(state, token, cache)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -5,7 +5,7 @@ See :mod:`kernels.delta.api` for the public functions and the GPU/TPU choices,
 :mod:`kernels.delta.kernels` for the five kernel bodies.
 """
 
-from kernels.delta.api import (  # noqa: F401
+from .api import (  # noqa: F401
     chunk_delta_rule,
     chunk_gated_delta_rule,
     chunk_kda,

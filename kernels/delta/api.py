@@ -45,8 +45,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from kernels.delta import kernels as kn
-from kernels.delta.tiles import BF16X6, F32, Cfg
+from . import kernels as kn
+from .tiles import BF16X6, F32, Cfg
 
 try:  # both exist in jax 0.10 / 0.11
     from jax.experimental.pallas import triton as pltriton

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels.delta.tiles import (
+from .tiles import (
     F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, get_col, get_diag, iota, load_rows, mm, prefix_sum, row_to_col, col_to_row,
     scores, sm, solve_backward, solve_forward, store_rows, ut_system,
 )

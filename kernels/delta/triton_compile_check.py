@@ -30,7 +30,7 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
     from jax._src.pallas.triton import lowering as L
     from jax._src.pallas.triton import pallas_call_registration as R
 
-    from kernels.delta import api
+    from . import api
 
     count = [0]
     orig = L.lower_jaxpr_to_triton_module

@@ -23,14 +23,14 @@ predicted, as in teacher-forced language modelling). Probe vocabulary:
 values ``[2 + (V-2)//2, V)``.
 
 =================  ==========================================  ===================================
-task               what it isolates                            predicted to fail (seeds 000/001)
+task               what it isolates                            predicted to fail                  
 =================  ==========================================  ===================================
 mqar               associative recall of N pairs (Zoology);     linear attention once N exceeds the
                    queries at power-law gaps                    state (interference); attention and
                                                                 DeltaNet-family solve it
-niah               copy a 5-digit passkey from depth d of a     pure-decay memories as T grows (GDN
-                   noise haystack (RULER S-NIAH-1)              paper: Mamba2 99 -> 30% from 1K to
-                                                                8K) and additive linear attention;
+niah               copy a 5-digit passkey from depth d of a     pure-decay memories as T grows (Gated
+                   noise haystack (RULER S-NIAH-1)              DeltaNet paper: Mamba2 99 -> 30% from
+                                                                1K to 8K) and additive linear attention;
                                                                 attention and DeltaNet hold (~97%+)
 overwrite          keys re-bound mid-sequence; queries want     linear attention (new value adds to
                    the *latest* value                           the old: a blend); softmax without
@@ -49,8 +49,15 @@ mixed_half_lives   long-lived facts written first, queried      GDN: one scalar 
                    disjoint key ranges: separable at write)     pass; linear attention fails
 =================  ==========================================  ===================================
 
-The predictions are the seeds' claims for a small model whose state is
-smaller than the number of bindings it must juggle; measuring them is the
+The predictions are what each architecture's update rule implies for a small
+model whose state is smaller than the number of bindings it must juggle: an
+additive write cannot erase (the delta rule's motivation: Schlag et al., "Linear
+Transformers Are Secretly Fast Weight Programmers", 2021, arXiv:2102.11174), a
+memory without forgetting fills with stale facts, and one scalar decay cannot keep
+some facts while fading others (Yang, Kautz, Hatamizadeh, "Gated Delta Networks:
+Improving Mamba2 with Delta Rule", 2024, arXiv:2412.06464; Kimi Team, "Kimi Linear:
+An Expressive, Efficient Attention Architecture", 2025, arXiv:2510.26692); the Gated
+DeltaNet paper is also the source of the S-NIAH figures. Measuring them is the
 experiments' job. Sizes: pick ``num_facts`` <= the head's key dim and, for
 ``fade``, ``num_facts_a + num_facts`` > it.
 """

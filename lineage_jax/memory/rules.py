@@ -96,8 +96,8 @@ def _use_pallas(fn, backend, mode, chunk_size, dt) -> bool:
 
 
 def _run_pallas(fn, q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, dt, chunk_size, gate_lower_bound):
-    from kernels.delta import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda  # memory/ -> kernels/
-    from kernels.delta.api import check_chunk_size
+    from lineage_jax._kernels import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda  # memory/ -> kernels/
+    from lineage_jax._kernels import check_chunk_size
 
     # chunk_size None: the kernels' own chunk for the target (tile-tuned); an explicit one is used.
     if chunk_size is not None:

@@ -33,6 +33,35 @@ REMAT_POLICIES = ("none", "dots", "full")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """Everything that defines a ``Decoder``: frozen, validated once on construction.
+
+    The fields come in families; each layer reads its own:
+
+    * **Shape** — ``name``, ``vocab_size``, ``d_model``, ``pattern`` (one letter per layer,
+      :data:`MIXERS`), ``num_heads``, ``head_dim``, ``positions`` / ``rope_theta`` /
+      ``max_seq_len``, ``norm``, ``tie_embeddings``: the embedding, the head and every layer.
+    * **Softmax attention** (``S``) — ``num_kv_heads`` (grouped-query attention), ``attn_bias``.
+    * **Fixed-state mixers** (``L``, ``D``, ``G``, ``K``; ``layers.memory_mixer``) —
+      ``conv_size``, ``chunk_size``, ``kda_gate``, ``kda_gate_rank``, ``kda_output_gate``,
+      ``decay_a_init``, ``gdn_output_gate``, ``memory_backend`` (the delta rules' chunked
+      form: the XLA form of ``lineage_jax.memory`` or the Pallas kernels).
+    * **MLA** (``M``; ``layers.mla``) — ``q_lora_rank``, ``kv_lora_rank``,
+      ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``mla_rope``,
+      ``mla_output_gate``.
+    * **FFN and MoE** (``layers.ffn``, ``layers.moe``) — ``ffn_kind``, ``ffn_hidden`` for
+      dense layers; with ``num_experts > 0`` every layer from ``first_dense_layers`` on is a
+      MoE: ``top_k``, ``moe_hidden``, ``num_shared_experts``, ``shared_hidden``,
+      ``moe_latent_dim`` (latent MoE), ``moe_activation``, ``routed_scaling_factor``,
+      ``moe_dispatch``, ``capacity_factor``.
+    * **Residual** — ``attnres_block`` (0: plain sum; ``n``: block Attention Residuals over
+      blocks of ``n`` layers).
+    * **Execution** — how the same model runs, not what it computes: ``decode_read``,
+      ``attention_impl``, ``remat``, ``scan_layers``, ``scan_period``, ``dtype``.
+
+    :meth:`replace` returns a validated copy with some fields changed; the named configs of
+    the lineage are in ``CONFIGS`` (:func:`get_config`).
+    """
+
     name: str = "custom"
     vocab_size: int = 256
     d_model: int = 64

@@ -291,6 +291,22 @@ def _at_model_precision(method):
 
 
 class Decoder(nnx.Module):
+    """The language model of every ``ModelConfig``: embedding (+ learned positions), the layer
+    groups, a final norm and the output head (tied to the embedding or its own).
+
+    ``cfg.pattern`` is cut into layer groups (:func:`layer_groups`): a run of identical
+    macrocycles is one group whose parameters are stacked along a ``layers`` axis and run
+    under ``lax.scan``; every other layer is a group of its own. Each layer is
+    ``norm → mixer → residual, norm → FFN → residual``; the mixer is built from the config's
+    mixer family (softmax, fixed-state or MLA fields), the FFN from its FFN / MoE family, the
+    residual from ``attnres_block``, and the execution fields decide how it runs.
+
+    Entry points: :meth:`forward` (training and scoring; ``(logits, aux)`` with the MoE
+    router statistics in ``aux["moe"]``), :meth:`init_cache` / :meth:`prefill` /
+    :meth:`decode` (generation), :meth:`moe_layers` and :meth:`update_router_biases` (MoE
+    bookkeeping), :meth:`unscanned` (one group per layer, for serving).
+    """
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         D, V = cfg.d_model, cfg.vocab_size

@@ -64,7 +64,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -301,7 +301,7 @@ class ExpertParallelMoE(MoE):
 def enable_expert_parallel(model: nnx.Module, ep: ExpertParallel) -> nnx.Module:
     """Switch every ``MoE`` inside ``model`` to the expert-parallel dispatch, in place.
 
-    Meant for a model merged inside a jitted function (as ``parallel.sharded`` does), so
+    Meant for a model merged inside a jitted function (as ``lineage_jax.train.step`` does), so
     the caller's model is untouched. The switch only changes the class of each ``MoE``
     node (to :class:`ExpertParallelMoE`) and adds the static ``expert_parallel``
     attribute, so ``nnx.split`` / ``merge`` (e.g. inside the Decoder's layer scan) keep it.
@@ -322,3 +322,25 @@ def moe_forward(moe: MoE, x: Array, ep: ExpertParallel) -> tuple[Array, RouterSt
     graphdef, state = nnx.split(moe)
     view = enable_expert_parallel(nnx.merge(graphdef, state), ep)
     return view(x)
+
+
+def resolve_expert_parallel(model: nnx.Module, mesh: Mesh, rules: Optional[Rules],
+                            expert_parallel: Union[str, bool, ExpertParallel]) -> Optional[ExpertParallel]:
+    """``"auto"``: on when the model has MoE layers and the expert mesh axis is > 1;
+    ``True`` / ``False``; or a ready :class:`ExpertParallel`. Checks the experts divide."""
+    if isinstance(expert_parallel, ExpertParallel):
+        ep = expert_parallel
+    elif expert_parallel is False:
+        return None
+    elif expert_parallel in ("auto", True):
+        ep = ExpertParallel(mesh, rules=DEFAULT_RULES if rules is None else rules)
+        if expert_parallel == "auto" and ep.expert_size == 1:
+            return None
+    else:
+        raise ValueError(f"`expert_parallel` must be 'auto', True, False or an ExpertParallel, got {expert_parallel!r}")
+    moes = [node for _, node in nnx.iter_graph(model) if isinstance(node, MoE)]
+    if not moes:
+        return None
+    for moe in moes:
+        check_num_experts(moe.num_experts, ep.mesh, ep.rules)
+    return ep

@@ -33,9 +33,12 @@ import math
 from typing import Mapping, Optional, Sequence, Union
 
 import jax
+import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from lineage_jax import accounting
 from lineage_jax.parallel.mesh import MESH_AXES, mesh_shape
 
 MeshAxes = Union[None, str, tuple[str, ...]]
@@ -209,6 +212,39 @@ def state_shardings(tree, mesh: Mesh, rules: Optional[Rules] = None, *, strict: 
     return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())), specs, is_leaf=_is_var)
 
 
+def optimizer_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh: Mesh):
+    """Shardings of ``tx.init(params)``: every per-parameter buffer (Adam moments, Muon
+    momentum) laid out like its parameter, everything else (counts, scalars) replicated.
+    ``params`` may be abstract."""
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(tx.init, params)
+    return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
+                                 transform_non_params=lambda _: replicated,
+                                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(x, mesh: Mesh, rules: Optional[Rules] = None) -> NamedSharding:
+    """``[B, ...]`` arrays: ``B`` over the ``batch`` mesh axes, the rest replicated."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (x.ndim - 1), mesh, rules, shape=x.shape))
+
+
+def shard_batch(batch, mesh: Mesh, rules: Optional[Rules] = None):
+    """Place a pytree of ``[B, ...]`` host arrays on ``mesh``, split over the batch axes.
+
+    One process: ``batch`` is the global batch. Several processes: each passes its own
+    slice (``B / process_count`` rows) and gets the global array back.
+    """
+    def one(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        if jax.process_count() == 1:
+            return jax.device_put(x, batch_sharding(x, mesh, rules))
+        global_shape = (x.shape[0] * jax.process_count(),) + tuple(x.shape[1:])
+        sharding = batch_sharding(jax.ShapeDtypeStruct(global_shape, x.dtype), mesh, rules)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape)
+
+    return jax.tree.map(one, batch)
+
+
 def sharding_table(config_or_rows, mesh: Union[Mesh, Mapping[str, int]], rules: Optional[Rules] = None,
                    *, strict: bool = False) -> list[dict]:
     """Per parameter: ``path, shape, axes, spec, local_shape, size, local_size, dropped``.
@@ -216,8 +252,6 @@ def sharding_table(config_or_rows, mesh: Union[Mesh, Mapping[str, int]], rules: 
     ``config_or_rows`` is a ``ModelConfig``, a config name, or rows of
     ``lineage_jax.accounting.param_table``. ``local_shape`` is the shard one device holds.
     """
-    from lineage_jax import accounting
-
     rows = config_or_rows if isinstance(config_or_rows, list) else accounting.param_table(config_or_rows)
     sizes = _sizes(mesh)
     out = []

@@ -5,6 +5,9 @@ CLI: ``python -m lineage_jax.train --config NAME --steps N --workdir DIR [--set 
 
 from lineage_jax.train.config import TrainConfig, apply_overrides
 from lineage_jax.train.loop import train
-from lineage_jax.train.step import TrainState, init_state, make_eval_step, make_train_step
+from lineage_jax.train.step import (Parallel, TrainState, TrainStep, init_sharded, init_state, jit_steps,
+                                    make_eval_step, make_parallel, make_train_step, next_token_loss, state_shardings)
 
-__all__ = ["TrainConfig", "TrainState", "apply_overrides", "init_state", "make_eval_step", "make_train_step", "train"]
+__all__ = ["Parallel", "TrainConfig", "TrainState", "TrainStep", "apply_overrides", "init_sharded", "init_state",
+           "jit_steps", "make_eval_step", "make_parallel", "make_train_step", "next_token_loss", "state_shardings",
+           "train"]

@@ -1,6 +1,6 @@
-"""The analytic experiments reproduce seed 001's numbers from the library.
+"""The analytic experiments reproduce hand-computed numbers from the library.
 
-Expected values below are only constants printed in seed 001 (the d = 4 worked
+Expected values below are only constants worked by hand (the d = 4 worked
 examples, 36,864 B/token, 37.7 MB, 124M, 2.8T, 1.5B, ≈1,867×, ~98%); everything
 else is checked for consistency (linearity, flatness, optima), not against
 typed-in results.
@@ -22,17 +22,18 @@ from experiments import accountant, chunk_dial, common, memory_wall, mochi
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Seed 001's worked d = 4 examples (§02e, §03d, §04e, §05d, §06c).
-SEED_INTERFERENCE_READ = [2, 2.8, 0.6, 2.2]
-SEED_OVERWRITE_READ = [1, 0, 2, 2]  # = v_Biscuit
-SEED_OVERWRITE_V_OLD = [2, 1, 0, 1]  # = v_Mochi
-SEED_OVERWRITE_U = [-1, -1, 2, 1]
-SEED_WY_U2 = [-1.2, 2.4, 1, 1.4]
-SEED_WY_V_OLD = [1.2, 0.6, 0, 0.6]
-SEED_SURVIVAL = 0.405  # 0.9 · 0.5 · 0.9
-SEED_MOCHI = [2, 1, 0, 1]
-SEED_REX = [0, 3, 1, 2]
-SEED_KEY_OVERLAP = 0.6
+# The worked d = 4 examples (interference, delta-rule overwrite, chunked solve, scalar gate,
+# per-channel gate), computed by hand.
+WORKED_INTERFERENCE_READ = [2, 2.8, 0.6, 2.2]
+WORKED_OVERWRITE_READ = [1, 0, 2, 2]  # = v_Biscuit
+WORKED_OVERWRITE_V_OLD = [2, 1, 0, 1]  # = v_Mochi
+WORKED_OVERWRITE_U = [-1, -1, 2, 1]
+WORKED_WY_U2 = [-1.2, 2.4, 1, 1.4]
+WORKED_WY_V_OLD = [1.2, 0.6, 0, 0.6]
+WORKED_SURVIVAL = 0.405  # 0.9 · 0.5 · 0.9
+WORKED_MOCHI = [2, 1, 0, 1]
+WORKED_REX = [0, 3, 1, 2]
+WORKED_KEY_OVERLAP = 0.6
 ATOL = 1e-5
 
 
@@ -54,39 +55,39 @@ def mochi_record(tmp_path_factory):
     return mochi.run(out=str(tmp_path_factory.mktemp("results")))
 
 
-def test_mochi_headline_numbers_match_seed(mochi_record):
+def test_mochi_headline_numbers_match_hand_computation(mochi_record):
     r = mochi_record
-    np.testing.assert_allclose(r["interference_read"], SEED_INTERFERENCE_READ, atol=ATOL)
-    np.testing.assert_allclose(r["overwrite_read"], SEED_OVERWRITE_READ, atol=ATOL)
-    np.testing.assert_allclose(r["wy_u2"], SEED_WY_U2, atol=ATOL)
-    assert r["survival"] == pytest.approx(SEED_SURVIVAL, abs=1e-6)
-    assert r["gated_survival"]["strength_chunked"] == pytest.approx(SEED_SURVIVAL, abs=1e-6)
-    np.testing.assert_allclose(r["gated_survival"]["read"], SEED_SURVIVAL * np.asarray(SEED_MOCHI), atol=ATOL)
+    np.testing.assert_allclose(r["interference_read"], WORKED_INTERFERENCE_READ, atol=ATOL)
+    np.testing.assert_allclose(r["overwrite_read"], WORKED_OVERWRITE_READ, atol=ATOL)
+    np.testing.assert_allclose(r["wy_u2"], WORKED_WY_U2, atol=ATOL)
+    assert r["survival"] == pytest.approx(WORKED_SURVIVAL, abs=1e-6)
+    assert r["gated_survival"]["strength_chunked"] == pytest.approx(WORKED_SURVIVAL, abs=1e-6)
+    np.testing.assert_allclose(r["gated_survival"]["read"], WORKED_SURVIVAL * np.asarray(WORKED_MOCHI), atol=ATOL)
 
 
-def test_mochi_worked_steps_match_seed(mochi_record):
+def test_mochi_worked_steps_match_hand_computation(mochi_record):
     r = mochi_record
-    # §02d read-back identity: unit key returns v; |k|² = 4 returns 4v.
-    np.testing.assert_allclose(r["read_back"]["unit_key_read"], SEED_REX, atol=ATOL)
+    # Read-back identity: unit key returns v; |k|² = 4 returns 4v.
+    np.testing.assert_allclose(r["read_back"]["unit_key_read"], WORKED_REX, atol=ATOL)
     assert r["read_back"]["long_key_gain"] == pytest.approx(r["read_back"]["long_key_norm_sq"], abs=1e-5)
-    # §02e interference law: error = (k_cat · k_dog) v_Rex.
-    assert r["interference"]["key_overlap"] == pytest.approx(SEED_KEY_OVERLAP)
-    np.testing.assert_allclose(r["interference"]["error"], SEED_KEY_OVERLAP * np.asarray(SEED_REX), atol=ATOL)
-    # §03d clean overwrite: READ v_old, SUBTRACT u, and Silver's row untouched.
-    np.testing.assert_allclose(r["overwrite"]["v_old"], SEED_OVERWRITE_V_OLD, atol=ATOL)
-    np.testing.assert_allclose(r["overwrite"]["u"], SEED_OVERWRITE_U, atol=ATOL)
+    # Interference law: error = (k_cat · k_dog) v_Rex.
+    assert r["interference"]["key_overlap"] == pytest.approx(WORKED_KEY_OVERLAP)
+    np.testing.assert_allclose(r["interference"]["error"], WORKED_KEY_OVERLAP * np.asarray(WORKED_REX), atol=ATOL)
+    # Clean delta-rule overwrite: READ v_old, SUBTRACT u, and Silver's row untouched.
+    np.testing.assert_allclose(r["overwrite"]["v_old"], WORKED_OVERWRITE_V_OLD, atol=ATOL)
+    np.testing.assert_allclose(r["overwrite"]["u"], WORKED_OVERWRITE_U, atol=ATOL)
     np.testing.assert_allclose(r["overwrite"]["silver_read_after"], r["overwrite"]["silver_read_before"], atol=ATOL)
-    # §04e: the sequential read agrees with the solve.
-    np.testing.assert_allclose(r["wy_solve"]["sequential_v_old"], SEED_WY_V_OLD, atol=ATOL)
-    np.testing.assert_allclose(r["wy_solve"]["sequential_u2"], SEED_WY_U2, atol=ATOL)
-    np.testing.assert_allclose(r["wy_solve"]["u1"], SEED_MOCHI, atol=ATOL)
+    # Chunked solve: the sequential read agrees with the solve.
+    np.testing.assert_allclose(r["wy_solve"]["sequential_v_old"], WORKED_WY_V_OLD, atol=ATOL)
+    np.testing.assert_allclose(r["wy_solve"]["sequential_u2"], WORKED_WY_U2, atol=ATOL)
+    np.testing.assert_allclose(r["wy_solve"]["u1"], WORKED_MOCHI, atol=ATOL)
     assert r["wy_solve"]["chunk_vs_scan_max_abs_dev"] < 1e-5
 
 
 def test_mochi_contaminated_board(mochi_record):
     c = mochi_record["contaminated"]
-    np.testing.assert_allclose(c["cat_read_before"], SEED_INTERFERENCE_READ, atol=ATOL)  # Rex bled in
-    np.testing.assert_allclose(c["cat_read_after"], SEED_OVERWRITE_READ, atol=ATOL)  # clean Biscuit
+    np.testing.assert_allclose(c["cat_read_before"], WORKED_INTERFERENCE_READ, atol=ATOL)  # Rex bled in
+    np.testing.assert_allclose(c["cat_read_after"], WORKED_OVERWRITE_READ, atol=ATOL)  # clean Biscuit
     assert np.max(np.abs(c["dog_shift"])) > 0.1  # the side effect on the overlapping fact
     np.testing.assert_allclose(c["dog_shift"], c["dog_shift_predicted"], atol=ATOL)
 
@@ -96,8 +97,8 @@ def test_mochi_twin_boards(mochi_record):
     alpha = t["switch_alpha"]
     assert t["gdn_mochi_kept"] == pytest.approx(alpha, abs=1e-5)  # the cat was shot
     assert t["kda_mochi_kept"] == pytest.approx(1.0, abs=1e-5)  # the cat lives
-    np.testing.assert_allclose(t["gdn_cat_read"], alpha * np.asarray(SEED_MOCHI), atol=ATOL)
-    np.testing.assert_allclose(t["kda_cat_read"], SEED_MOCHI, atol=ATOL)
+    np.testing.assert_allclose(t["gdn_cat_read"], alpha * np.asarray(WORKED_MOCHI), atol=ATOL)
+    np.testing.assert_allclose(t["kda_cat_read"], WORKED_MOCHI, atol=ATOL)
     assert t["gdn_junk_kept"] == pytest.approx(alpha, abs=1e-5)
     assert t["kda_junk_kept"] == pytest.approx(alpha, abs=1e-5)  # the junk faded on both boards
     _assert_files(mochi_record)
@@ -111,8 +112,8 @@ def test_mochi_cli_json(tmp_path):
     record = json.loads(proc.stdout)
     for key in ("interference_read", "overwrite_read", "wy_u2", "survival", "contaminated", "twin_boards", "read_back"):
         assert key in record
-    np.testing.assert_allclose(record["interference_read"], SEED_INTERFERENCE_READ, atol=ATOL)
-    np.testing.assert_allclose(record["wy_u2"], SEED_WY_U2, atol=ATOL)
+    np.testing.assert_allclose(record["interference_read"], WORKED_INTERFERENCE_READ, atol=ATOL)
+    np.testing.assert_allclose(record["wy_u2"], WORKED_WY_U2, atol=ATOL)
     assert (tmp_path / "mochi" / "mochi.json").is_file() and (tmp_path / "mochi" / "mochi.png").is_file()
 
 
@@ -126,15 +127,15 @@ def _bytes_at(record, label, tokens):
     return record["lines"][label]["bytes"][record["contexts"].index(tokens)]
 
 
-def test_memory_wall_gpt2_seed_numbers(wall):
+def test_memory_wall_gpt2_numbers(wall):
     gpt2 = wall["lines"]["GPT-2 small (MHA)"]
-    assert gpt2["cache_bytes_per_token"] == 2 * 12 * 12 * 64 * 2 == 36_864  # §01d by hand
+    assert gpt2["cache_bytes_per_token"] == 2 * 12 * 12 * 64 * 2 == 36_864  # by hand
     at_1k = _bytes_at(wall, "GPT-2 small (MHA)", 1024)
     assert at_1k == 36_864 * 1024
     assert at_1k / 1e6 == pytest.approx(37.7, abs=0.05)
-    # §01d: "At 1M tokens the cache outweighs the model."
+    # At 1M tokens the cache outweighs the model.
     assert _bytes_at(wall, "GPT-2 small (MHA)", 1 << 20) > gpt2["weights_bytes_bf16"]
-    # §01d: a 2.8T-scale MHA model needs terabytes of cache at 1M tokens.
+    # A 2.8T-scale MHA model needs terabytes of cache at 1M tokens.
     assert _bytes_at(wall, "dense 2.8T MHA (hypothetical)", 1 << 20) > 1e12
     assert wall["lines"]["dense 2.8T MHA (hypothetical)"]["params_total"] / 1e12 == pytest.approx(2.8, abs=0.05)
     _assert_files(wall)
@@ -180,7 +181,7 @@ def test_accountant_headline_ratio(acct):
     assert small["total"] / 1e6 == pytest.approx(124, abs=0.5)  # "124 million"
     ratio = acct["ratio_total_vs_gpt2_small"]
     assert ratio == k3["total"] / small["total"]
-    assert 22_300 <= ratio < 22_700  # the seed's 22,580 is 2.8T / 124M rounded
+    assert 22_300 <= ratio < 22_700  # the headline 22,580 is 2.8T / 124M rounded
     assert acct["seed_headline_ratio"] == pytest.approx(22_580, abs=1)
     _assert_files(acct)
 
@@ -225,7 +226,7 @@ def test_chunk_dial_quick(dial):
         assert all(row["median_s"] > 0 for row in r["rows"])
         assert max(row["max_rel_err_vs_recurrent"] for row in r["rows"]) < 1e-4  # every C is the same memory
     lin = dial["rules"]["linear_attention"]["rows"]
-    for row in lin:  # the seed's law 2Ld² + 2LCd, per (batch, head)
+    for row in lin:  # the chunked form's law 2Ld² + 2LCd, per (batch, head)
         assert row["analytic_flops"] == BH * (2 * T * d * d + 2 * T * row["C"] * d)
     _assert_files(dial)
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments import architectures as A
 from experiments import mqar as M
 from experiments import niah as N
 from experiments import trainer as T
@@ -108,39 +109,39 @@ def test_niah_smallest(tmp_path):
 
 
 def test_two_layer_architectures():
-    table = {key: pattern for key, _, pattern, _ in M.architectures(None, 2)}
+    table = {key: pattern for key, _, pattern, _ in A.select(None, 2)}
     assert table == {"gpt2": "SS", "linear": "LL", "deltanet": "DD", "gdn": "GG", "kda": "KK", "mla": "MM",
                      "kimi_linear": "KM", "k3": "KM"}
-    assert [p for _, _, p, _ in M.architectures(["kimi_linear"], 4)] == ["KKKM"]
-    (_, label, pattern, extra), = M.architectures(["k3"], 2)
-    cfg = M.model_config(label, pattern, extra, 128, 64, 8192)
+    assert [p for _, _, p, _ in A.select(["kimi_linear"], 4)] == ["KKKM"]
+    (_, label, pattern, extra), = A.select(["k3"], 2)
+    cfg = A.wide_head_config(label, pattern, extra, 128, 64, 8192)
     assert (cfg.num_heads, cfg.resolved_head_dim, cfg.attnres_block, cfg.num_experts) == (2, 64, 2, 8)
     # The diagnostic GDN row (not in the default sweep): the same model without its output gate.
-    (_, label, pattern, extra), = M.architectures(["gdn_nogate"], 2)
-    nogate = M.model_config(label, pattern, extra, 64, 64, 8192)
-    gated = M.model_config(*M.architectures(["gdn"], 2)[0][1:], 64, 64, 8192)
+    (_, label, pattern, extra), = A.select(["gdn_nogate"], 2)
+    nogate = A.wide_head_config(label, pattern, extra, 64, 64, 8192)
+    gated = A.wide_head_config(*A.select(["gdn"], 2)[0][1:], 64, 64, 8192)
     assert pattern == "GG" and nogate.gdn_output_gate == "none" and gated.gdn_output_gate == "silu"
     n_gate = accounting.param_counts(gated)["total"] - accounting.param_counts(nogate)["total"]
     assert n_gate == 2 * 64 * 64  # one d × (H·V) gate projection per layer, no bias
     # ... and KDA without its low-rank sigmoid output gate (d -> V -> H·V per layer).
-    (_, label, pattern, extra), = M.architectures(["kda_nogate"], 2)
-    kda_nogate = M.model_config(label, pattern, extra, 64, 64, 8192)
-    kda = M.model_config(*M.architectures(["kda"], 2)[0][1:], 64, 64, 8192)
+    (_, label, pattern, extra), = A.select(["kda_nogate"], 2)
+    kda_nogate = A.wide_head_config(label, pattern, extra, 64, 64, 8192)
+    kda = A.wide_head_config(*A.select(["kda"], 2)[0][1:], 64, 64, 8192)
     assert pattern == "KK" and kda_nogate.kda_output_gate == "none" and kda.kda_output_gate == "lowrank"
     n_gate = accounting.param_counts(kda)["total"] - accounting.param_counts(kda_nogate)["total"]
     assert n_gate == 2 * (64 * 64 + 64 * 64)
     # GPT-2 without positions / with RoPE: GPT-2 less its 64 x 64 position table, GPT-2's init kept.
     for key, positions in (("gpt2_nope", "none"), ("gpt2_rope", "rope")):
-        (_, label, pattern, extra), = M.architectures([key], 2)
-        cfg = M.model_config(label, pattern, extra, 64, 64, 8192)
-        gpt2 = M.model_config(*M.architectures(["gpt2"], 2)[0][1:], 64, 64, 8192)
+        (_, label, pattern, extra), = A.select([key], 2)
+        cfg = A.wide_head_config(label, pattern, extra, 64, 64, 8192)
+        gpt2 = A.wide_head_config(*A.select(["gpt2"], 2)[0][1:], 64, 64, 8192)
         assert pattern == "SS" and cfg.positions == positions and gpt2.positions == "learned"
         assert accounting.param_counts(gpt2)["total"] - accounting.param_counts(cfg)["total"] == 64 * 64
         q = np.asarray(Decoder(cfg, rngs=nnx.Rngs(0)).groups[0].blocks[0].mixer.q.kernel[...])
         assert abs(q.std() / 0.02 - 1) < 0.1, q.std()  # GPT-2's std 0.02, not the default fan-in init
     # KDA with A = 1 at init: the same parameters, the decay scale starts at exp(0).
-    (_, label, pattern, extra), = M.architectures(["kda_unit_a"], 2)
-    unit = M.model_config(label, pattern, extra, 64, 64, 8192)
+    (_, label, pattern, extra), = A.select(["kda_unit_a"], 2)
+    unit = A.wide_head_config(label, pattern, extra, 64, 64, 8192)
     assert pattern == "KK" and unit.decay_a_init == "unit" and kda.decay_a_init == "default"
     assert accounting.param_counts(unit)["total"] == accounting.param_counts(kda)["total"]
     np.testing.assert_array_equal(Decoder(unit, rngs=nnx.Rngs(0)).groups[0].blocks[0].mixer.A_log[...], 0.0)

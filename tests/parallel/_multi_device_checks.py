@@ -28,12 +28,13 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from lineage_jax.generate import ShardedDecoder  # noqa: E402
 from lineage_jax.layers.moe import MoE  # noqa: E402
 from lineage_jax.models import Decoder, get_config  # noqa: E402
 from lineage_jax.parallel import expert as EP  # noqa: E402
 from lineage_jax.parallel.mesh import make_mesh  # noqa: E402
 from lineage_jax.parallel.rules import state_shardings  # noqa: E402
-from lineage_jax.parallel.sharded import ShardedDecoder, TrainStep, init_sharded, next_token_loss  # noqa: E402
+from lineage_jax.train.step import TrainStep, init_sharded, next_token_loss  # noqa: E402
 
 MESHES = {
     "data=8": {"data": 8},

@@ -19,7 +19,7 @@ from lineage_jax.layers.moe import MoE
 from lineage_jax.models import get_config
 from lineage_jax.parallel.expert import ExpertParallel, ep_exchange, moe_forward
 from lineage_jax.parallel.mesh import make_mesh
-from lineage_jax.parallel.sharded import TrainStep, init_sharded
+from lineage_jax.train.step import TrainStep, init_sharded
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "cpu", reason="ragged_all_to_all needs a GPU or TPU")
 

@@ -1,23 +1,13 @@
-"""launch/probe_kv_read.py: the cache reads agree and every row is reported (tiny, CPU)."""
+"""experiments.kv_read: the cache reads agree and every row is reported (tiny, CPU)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "probe_kv_read.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("probe_kv_read", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from experiments import kv_read as probe
 
 
 def test_three_reads_agree_and_are_reported(tmp_path, capsys):
-    probe = _module()
     rows = probe.main(["--context", "512", "--heads", "4", "--head-dim", "16", "--batch", "2", "--steps", "2",
                        "--dtype", "float32", "--mla-rank", "16", "--mla-rope", "8", "--out", str(tmp_path)])
     assert [r["form"] for r in rows] == ["dot", "heads_major", "reduce", "mla_dot", "mla_reduce"]

@@ -1,10 +1,10 @@
 """How fast does one decode step read a KV cache? The ways to read the same cache, timed.
 
-    python launch/probe_kv_read.py [--context 1048576] [--heads 16] [--head-dim 128]
+    python -m experiments.kv_read [--context 1048576] [--heads 16] [--head-dim 128]
         [--kv-heads H] [--batch 1] [--dtype bfloat16] [--steps 20] [--mla-rank 512] [--mla-rope 64]
         [--out DIR]    # DIR/kv_read.json
 
-A question for the device, not an experiment: ``experiments.decode_scaling`` found MHA's decode
+A microbenchmark of one layer: ``experiments.decode_scaling`` found MHA's decode
 step at 1M tokens reading its cache at ~7% of the H200's bandwidth (docs/results.md, "How far
 from the roofline"). The library's cache is ``[B, L, Hkv, D]`` and a decode step is a product
 per ``(b, h)`` — batch dims that are not the cache's leading dims. This times, on one layer:
