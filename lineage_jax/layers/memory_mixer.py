@@ -110,7 +110,8 @@ class MemoryMixer(nnx.Module):
         the softplus gates, ``A = 1`` for the bounded gate); "unit": ``A = 1`` for every gate, so
         the bias alone sets the initial decay (half-lives from ≈ 7 tokens up) — a diagnostic of how much
         the fast initial forgetting slows learning (no effect for linear attention / DeltaNet).
-      output_norm: RMSNorm each head's read. output_gate: "none" | "lowrank" | "full".
+      output_norm: RMSNorm each head's read (epsilon ``norm_eps``; fla and Kimi Linear use 1e-5).
+      output_gate: "none" | "lowrank" | "full".
       gate_activation: the output gate's nonlinearity, "silu" | "sigmoid" (default: SiLU for
         GDN, as in fla's GatedDeltaNet, sigmoid otherwise).
       chunk_size: chunk of the WY/UT training form (None: the backend's own, see
@@ -124,7 +125,7 @@ class MemoryMixer(nnx.Module):
                  conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
                  output_norm: Optional[bool] = None, output_gate: Optional[str] = None,
                  gate_activation: Optional[str] = None, a_init: str = "default", chunk_size: Optional[int] = None,
-                 backend: str = "auto", rngs: nnx.Rngs):
+                 backend: str = "auto", norm_eps: float = 1e-6, rngs: nnx.Rngs):
         if rule not in RULES:
             raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
@@ -173,7 +174,7 @@ class MemoryMixer(nnx.Module):
             a_log_init = _a_log_init if kda_gate == "softplus" and a_init == "default" else jax.nn.initializers.zeros
             self.A_log = param(rngs, a_log_init, (H,), ("heads",))
             self.dt_bias = param(rngs, _dt_bias_init, (H, K), ("heads", "head_dim"))
-        self.norm = RMSNorm(Vd, rngs=rngs) if output_norm else None
+        self.norm = RMSNorm(Vd, rngs=rngs, eps=norm_eps) if output_norm else None
         if output_gate == "full":
             self.out_gate = Dense(d_model, (H, Vd), axes=("embed", "heads", "head_dim"), rngs=rngs)
         elif output_gate == "lowrank":
