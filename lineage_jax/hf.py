@@ -245,7 +245,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     """``cfg`` -> the ``config.json`` dict ``transformers`` builds the same model from."""
     family = family_of(cfg)
     out: dict[str, Any] = {"architectures": [ARCHITECTURES[family]], "model_type": family, "dtype": "float32",
-                           "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings}
+                           "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
+                           # The Decoder knows no special tokens; transformers' defaults may exceed the vocabulary.
+                           "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     L = cfg.num_layers
     if family == "gpt2":
         out.update(n_embd=cfg.d_model, n_layer=L, n_head=cfg.num_heads, n_positions=cfg.max_seq_len,
