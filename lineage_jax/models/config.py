@@ -78,6 +78,9 @@ class ModelConfig:
     kda_gate_rank: Optional[int] = None  # default head_dim
     kda_output_gate: str = "lowrank"  # "lowrank" (Kimi Linear) | "full" (K3) | "none" (diagnostic)
     decay_a_init: str = "default"  # GDN / KDA decay scale at init: "default" | "unit" (A = 1; diagnostic)
+    silu_v: bool = False  # conv_size=0: SiLU on v too, as on q and k (fla); with a conv SiLU follows it on all three
+    allow_neg_eigval: bool = False  # delta rules (D, G, K): β = 2σ(·) ∈ (0, 2), eigenvalues of I − βkᵀk in (−1, 1]
+    kda_output_gate_bias: bool = False  # a bias on KDA's output gate (fla's low-rank gate has one; Kimi Linear's not)
     mixer_norm_eps: float = 1e-6  # epsilon of the fixed-state mixers' (gated) output RMSNorm; fla and Kimi: 1e-5
     gdn_output_gate: str = "silu"  # GDN's full output gate: "silu" (fla's GatedDeltaNet) | "sigmoid" | "none"
     # Chunked form of the delta rules (D, G, K) in training / prefill: "auto" (the kernels.delta Pallas
@@ -257,6 +260,10 @@ def validate(c: ModelConfig) -> None:
         _fail("decay_a_init", f"must be 'default' or 'unit', got {c.decay_a_init!r}")
     if c.decay_a_init != "default" and not set(c.pattern) & {"G", "K"}:
         _fail("decay_a_init", f"sets the GDN / KDA decay scale and this pattern has neither ({c.pattern!r})")
+    if c.allow_neg_eigval and not set(c.pattern) & {"D", "G", "K"}:
+        _fail("allow_neg_eigval", f"sets the delta rules' β and this pattern has none ({c.pattern!r})")
+    if c.kda_output_gate_bias and ("K" not in c.pattern or c.kda_output_gate == "none"):
+        _fail("kda_output_gate_bias", "needs KDA layers ('K') with an output gate")
     if c.gdn_output_gate not in ("silu", "sigmoid", "none"):
         _fail("gdn_output_gate", f"must be 'silu', 'sigmoid' or 'none', got {c.gdn_output_gate!r}")
     if "M" in c.pattern:

@@ -70,13 +70,15 @@ def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
     return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
                        conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
                        gate_rank=cfg.kda_gate_rank, a_init=cfg.decay_a_init, chunk_size=cfg.chunk_size,
-                       backend=cfg.memory_backend, norm_eps=cfg.mixer_norm_eps, rngs=rngs, **_output_gate(cfg, kind))
+                       backend=cfg.memory_backend, norm_eps=cfg.mixer_norm_eps, silu_v=cfg.silu_v,
+                       allow_neg_eigval=cfg.allow_neg_eigval and kind != "linear", rngs=rngs, **_output_gate(cfg, kind))
 
 
 def _output_gate(cfg: ModelConfig, kind: str) -> dict:
     """The fixed-state mixers' output gate from the config (None: the rule's default)."""
     if kind == "kda":
-        return dict(output_gate=cfg.kda_output_gate)
+        return dict(output_gate=cfg.kda_output_gate,
+                    output_gate_bias=cfg.kda_output_gate_bias and cfg.kda_output_gate != "none")
     if kind == "gdn":
         return (dict(output_gate="none") if cfg.gdn_output_gate == "none"
                 else dict(output_gate="full", gate_activation=cfg.gdn_output_gate))
