@@ -236,3 +236,35 @@ def test_save_refuses_a_model_without_a_transformers_layout(tmp_path):
     model = nnx.eval_shape(lambda: Decoder(get_config("tiny_k3"), rngs=nnx.Rngs(0)))
     with pytest.raises(hf.HFError, match="no transformers layout"):
         hf.save(model, str(tmp_path))
+
+
+# ---------------------------------------------------------------------------- command lines
+def test_generate_cli_samples_from_a_checkpoint(capsys):
+    from lineage_jax import generate
+    ref = _ref("kimi_linear")
+    prompt = ",".join(map(str, ref["prompts"][0]))
+    assert generate.main(["--hf", os.path.join(FIXTURES, "kimi_linear"), "--prompt-ids", prompt,
+                          "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out.split()
+    assert [int(t) for t in out[-3:]] == ref["greedy"][0, 12:15].tolist()
+
+
+def test_train_cli_init_from_hf(tmp_path):
+    from lineage_jax.train.__main__ import parse
+    from lineage_jax.train.loop import _init_from_hf
+    from lineage_jax.train.step import init_state
+    d = os.path.join(FIXTURES, "deepseek_v3")
+    train_cfg, model_cfg = parse(["--init-from-hf", d, "--steps", "1", "--workdir", str(tmp_path / "r"),
+                                  "--set", "remat=full"])
+    assert train_cfg.init_from_hf == os.path.abspath(d) and model_cfg.remat == "full"
+    assert model_cfg.replace(remat="none") == _model("deepseek_v3").cfg
+    _, state, _ = init_state(model_cfg, train_cfg)
+    state = _init_from_hf(state, d, model_cfg, None)
+    want = _params(_model("deepseek_v3"))
+    got = {("params",) + tuple(p): np.asarray(v.get_value()) for p, v in state.params.flat_state()}
+    for k, v in got.items():
+        np.testing.assert_array_equal(v, want[k[1:]])
+    with pytest.raises(SystemExit):
+        parse(["--init-from-hf", d, "--config", "tiny_gpt2", "--steps", "1", "--workdir", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="do not fit"):
+        _init_from_hf(state, os.path.join(FIXTURES, "gpt2"), model_cfg, None)
