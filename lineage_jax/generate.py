@@ -1,5 +1,10 @@
 """Sample from a trained model: ``python -m lineage_jax.generate --workdir DIR --prompt TEXT``.
 
+``--hf DIR`` samples from a transformers checkpoint instead (``lineage_jax.hf``: GPT-2, Kimi
+Linear, DeepSeek-V3). The prompt is ``--prompt-ids 1,2,3`` (token ids), or ``--prompt`` text
+for a GPT-2 checkpoint with GPT-2's vocabulary (the GPT-2 BPE tokenizer ships with the library;
+other families' tokenizers do not).
+
 Prefill runs the prompt through every layer once (filling KV caches, MLA latent
 caches and recurrent states); decode then feeds one token at a time through each
 layer's cache. Sampling: temperature, top-k, top-p (nucleus). Output streams as it
@@ -193,8 +198,12 @@ class ShardedDecoder:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lineage_jax.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--prompt", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workdir", help="a training run directory")
+    src.add_argument("--hf", metavar="DIR", help="a transformers checkpoint directory (config.json + safetensors)")
+    prompt_arg = p.add_mutually_exclusive_group(required=True)
+    prompt_arg.add_argument("--prompt")
+    prompt_arg.add_argument("--prompt-ids", help="the prompt as comma-separated token ids")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=0)
@@ -203,15 +212,37 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     from lineage_jax.data.tokenizers import get_tokenizer
 
+    tok = None
     try:
-        model, train_cfg = load(args.workdir)
+        if args.hf is not None:
+            from lineage_jax import hf
+            model = hf.load(args.hf)
+            if model.cfg.name == "hf_gpt2" and model.cfg.vocab_size in (50257, 50304):
+                tok = get_tokenizer("gpt2")
+        else:
+            model, train_cfg = load(args.workdir)
+            tok = get_tokenizer(train_cfg.tokenizer)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
     model = model.unscanned()  # one cache buffer per layer (Decoder.unscanned; compiles layer by layer)
-    tok = get_tokenizer(train_cfg.tokenizer)
-    prompt = tok.encode(args.prompt)
+    if args.prompt_ids is not None:
+        try:
+            prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            p.error(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+        if any(not 0 <= t < model.cfg.vocab_size for t in prompt):
+            p.error(f"--prompt-ids must lie in [0, {model.cfg.vocab_size})")
+    elif tok is None:
+        p.error("this checkpoint's tokenizer is not available here: give --prompt-ids")
+    else:
+        prompt = tok.encode(args.prompt)
+    if tok is None:  # token ids in, token ids out
+        tok = type("Ids", (), {"decode": staticmethod(lambda ids: "".join(f" {i}" for i in ids)), "eos_id": None})()
+        shown = ",".join(map(str, prompt))
+    else:
+        shown = tok.decode(prompt) if args.prompt is None else args.prompt
     printed = [0]
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(shown)
 
     def stream(tokens):
         text = tok.decode(tokens)

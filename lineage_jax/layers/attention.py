@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lineage_jax import memory
-from lineage_jax.layers.common import Dense, apply_rope, normal, param
+from lineage_jax.layers.common import Dense, YaRN, apply_rope, normal, param
 
 Array = jax.Array
 
@@ -37,7 +37,8 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, *, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
                  use_bias: bool = False, rngs: nnx.Rngs, out_std: Optional[float] = None, std: Optional[float] = None,
-                 rope_theta: Optional[float] = None, decode_read: str = "auto", attention_impl: str = "auto"):
+                 rope_theta: Optional[float] = None, decode_read: str = "auto", attention_impl: str = "auto",
+                 yarn: Optional[YaRN] = None):
         memory.resolve_read("Attention", decode_read, "decode_read")  # checked here, resolved when traced
         if attention_impl not in memory.ATTENTION_IMPLS:
             raise ValueError(f"Attention: `attention_impl` must be one of {memory.ATTENTION_IMPLS}, got {attention_impl!r}")
@@ -55,6 +56,9 @@ class Attention(nnx.Module):
                 raise ValueError(f"Attention: `rope_theta` must be a positive finite number or None, got {rope_theta!r}")
         self.d_model, self.num_heads, self.head_dim, self.num_kv_heads = d_model, num_heads, head_dim, num_kv_heads
         self.rope_theta = None if rope_theta is None else float(rope_theta)
+        if yarn is not None and rope_theta is None:
+            raise ValueError("Attention: `yarn` scales RoPE; set `rope_theta` too")
+        self.yarn = yarn  # YaRN scaling of the rotary frequencies (None: plain RoPE)
         self.decode_read = decode_read  # how decode reads the cache: memory.softmax_attention_step's `read`
         self.attention_impl = attention_impl  # the fused attention of __call__: memory.softmax_attention's `impl`
         self.q = Dense(d_model, (num_heads, head_dim), axes=("embed", "heads", "head_dim"), use_bias=use_bias, rngs=rngs, std=std)
@@ -72,8 +76,8 @@ class Attention(nnx.Module):
         """Queries and keys of ``x [..., D]`` at ``positions [...]`` (rotated when the layer uses RoPE)."""
         q, k = self.q(x), self.k(x)
         if self.rope_theta is not None:
-            q = apply_rope(q, positions[..., None], theta=self.rope_theta)
-            k = apply_rope(k, positions[..., None], theta=self.rope_theta)
+            q = apply_rope(q, positions[..., None], theta=self.rope_theta, yarn=self.yarn)
+            k = apply_rope(k, positions[..., None], theta=self.rope_theta, yarn=self.yarn)
         return q, k
 
     def __call__(self, x: Array, *, segment_ids: Optional[Array] = None) -> Array:

@@ -17,10 +17,12 @@ Conventions every layer follows:
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+import math
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Array = jax.Array
@@ -107,13 +109,68 @@ def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
     return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-def apply_rope(x: Array, positions: Array, *, theta: float) -> Array:
+class YaRN(NamedTuple):
+    """YaRN RoPE scaling (Peng et al., 2023, arXiv:2309.00071), as DeepSeek-V3 configures it.
+
+    ``factor``: context extension ratio; ``original_max_len``: the pretraining context;
+    ``beta_fast`` / ``beta_slow``: the rotation counts bounding the ramp between extrapolated
+    (high-frequency) and interpolated (low-frequency) channels; ``attention_factor``: multiplies the
+    rotated channels (the cos and sin tables); ``truncate``: round the ramp's bounds to whole channels.
+    """
+
+    factor: float
+    original_max_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 · mscale · ln(factor) + 1`` (1 for ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(dim: int, theta: float, yarn: Optional[YaRN] = None) -> np.ndarray:
+    """The ``dim / 2`` inverse frequencies of a rotary embedding, float32.
+
+    Plain RoPE: ``theta ** (-2i / dim)``. With ``yarn``, channel ``i`` blends the plain frequency
+    (kept where a channel turns more than ``beta_fast`` times over ``original_max_len`` tokens) and
+    the frequency divided by ``factor`` (where it turns fewer than ``beta_slow`` times), linearly in
+    between.
+    """
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"rope_frequencies: `dim` must be a positive even int, got {dim}")
+    pos = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrapolated = (np.float32(1.0) / pos).astype(np.float32)
+    if yarn is None:
+        return extrapolated
+    interpolated = (np.float32(1.0) / (np.float32(yarn.factor) * pos)).astype(np.float32)
+
+    def correction_dim(rotations):
+        return dim * math.log(yarn.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp).astype(np.float32)  # 1: extrapolate (plain frequency)
+    return (interpolated * (1 - keep) + extrapolated * keep).astype(np.float32)
+
+
+def apply_rope(x: Array, positions: Array, *, theta: float, yarn: Optional[YaRN] = None) -> Array:
     """Rotary embedding, half-split ("GPT-NeoX") convention, computed in float32.
 
     Channel ``i < r/2`` is paired with channel ``i + r/2`` and the pair is rotated by
     ``positions · theta ** (-2i / r)``. (DeepSeek's reference code pairs adjacent
     channels ``(2i, 2i+1)`` instead; the two differ by a fixed permutation of the
-    rope channels of ``W_kr`` / ``W_q``, so neither is more expressive.)
+    rope channels of ``W_kr`` / ``W_q``, so neither is more expressive; ``lineage_jax.hf``
+    applies that permutation when it loads such a checkpoint.) With ``yarn``
+    (:class:`YaRN`) the frequencies are :func:`rope_frequencies`' and the rotated pair is
+    multiplied by ``yarn.attention_factor``.
 
     Args:
       x: ``[..., r]`` with ``r`` even.
@@ -122,9 +179,14 @@ def apply_rope(x: Array, positions: Array, *, theta: float) -> Array:
       the rotated ``x``, same shape and dtype.
     """
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if yarn is None:
+        inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    else:
+        inv_freq = jnp.asarray(rope_frequencies(2 * half, theta, yarn))
     angle = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq      # [..., r/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if yarn is not None and yarn.attention_factor != 1.0:
+        cos, sin = cos * yarn.attention_factor, sin * yarn.attention_factor
     x32 = x.astype(jnp.float32)
     x1, x2 = x32[..., :half], x32[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

@@ -110,7 +110,15 @@ class MemoryMixer(nnx.Module):
         the softplus gates, ``A = 1`` for the bounded gate); "unit": ``A = 1`` for every gate, so
         the bias alone sets the initial decay (half-lives from ≈ 7 tokens up) — a diagnostic of how much
         the fast initial forgetting slows learning (no effect for linear attention / DeltaNet).
-      output_norm: RMSNorm each head's read. output_gate: "none" | "lowrank" | "full".
+      silu_v: without a conv (``conv_size=0``), apply SiLU to ``v`` as well as to ``q`` and ``k``
+        (fla's layers do; with a conv, SiLU follows the conv on all three either way).
+      allow_neg_eigval: ``β = 2σ(·) ∈ (0, 2)`` instead of ``σ(·) ∈ (0, 1)``, so the transition
+        ``I − β kᵀk`` can have a negative eigenvalue (Grazzi et al., 2024, arXiv:2411.12537; fla's
+        ``allow_neg_eigval``).
+      output_gate_bias: a bias on the output gate's last projection (fla's KDA low-rank gate has one;
+        Kimi Linear's has none).
+      output_norm: RMSNorm each head's read (epsilon ``norm_eps``; fla and Kimi Linear use 1e-5).
+      output_gate: "none" | "lowrank" | "full".
       gate_activation: the output gate's nonlinearity, "silu" | "sigmoid" (default: SiLU for
         GDN, as in fla's GatedDeltaNet, sigmoid otherwise).
       chunk_size: chunk of the WY/UT training form (None: the backend's own, see
@@ -124,7 +132,8 @@ class MemoryMixer(nnx.Module):
                  conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
                  output_norm: Optional[bool] = None, output_gate: Optional[str] = None,
                  gate_activation: Optional[str] = None, a_init: str = "default", chunk_size: Optional[int] = None,
-                 backend: str = "auto", rngs: nnx.Rngs):
+                 backend: str = "auto", norm_eps: float = 1e-6, silu_v: bool = False,
+                 allow_neg_eigval: bool = False, output_gate_bias: bool = False, rngs: nnx.Rngs):
         if rule not in RULES:
             raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
@@ -154,6 +163,9 @@ class MemoryMixer(nnx.Module):
         self.rule, self.d_model, self.num_heads, self.head_dim, self.v_head_dim = rule, d_model, H, K, Vd
         self.conv_size, self.kda_gate, self.gate_bound, self.chunk_size = conv_size, kda_gate, gate_bound, chunk_size
         self.output_gate, self.gate_activation, self.backend = output_gate, gate_activation, backend
+        self.silu_v, self.beta_max = bool(silu_v), 2.0 if allow_neg_eigval else 1.0
+        if output_gate_bias and output_gate == "none":
+            raise ValueError("MemoryMixer: `output_gate_bias` needs an output gate (output_gate='none')")
 
         self.q = Dense(d_model, (H, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
         self.k = Dense(d_model, (H, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
@@ -173,12 +185,14 @@ class MemoryMixer(nnx.Module):
             a_log_init = _a_log_init if kda_gate == "softplus" and a_init == "default" else jax.nn.initializers.zeros
             self.A_log = param(rngs, a_log_init, (H,), ("heads",))
             self.dt_bias = param(rngs, _dt_bias_init, (H, K), ("heads", "head_dim"))
-        self.norm = RMSNorm(Vd, rngs=rngs) if output_norm else None
+        self.norm = RMSNorm(Vd, rngs=rngs, eps=norm_eps) if output_norm else None
         if output_gate == "full":
-            self.out_gate = Dense(d_model, (H, Vd), axes=("embed", "heads", "head_dim"), rngs=rngs)
+            self.out_gate = Dense(d_model, (H, Vd), axes=("embed", "heads", "head_dim"), rngs=rngs,
+                                  use_bias=output_gate_bias)
         elif output_gate == "lowrank":
             self.out_gate_a = Dense(d_model, Vd, axes=("embed", "gate_rank"), rngs=rngs)
-            self.out_gate = Dense(Vd, (H, Vd), axes=("gate_rank", "heads", "head_dim"), rngs=rngs)
+            self.out_gate = Dense(Vd, (H, Vd), axes=("gate_rank", "heads", "head_dim"), rngs=rngs,
+                                  use_bias=output_gate_bias)
         self.o = param(rngs, normal((H * Vd) ** -0.5), (H, Vd, d_model), ("heads", "head_dim", "embed"))
 
     # ------------------------------------------------------------------ pieces
@@ -204,8 +218,10 @@ class MemoryMixer(nnx.Module):
         else:
             if self.conv is None:
                 q, k = jax.nn.silu(q), jax.nn.silu(k)
+                if self.silu_v:
+                    v = jax.nn.silu(v)
             q, k = l2_normalize(q), l2_normalize(k)
-        beta = None if self.beta is None else jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
+        beta = None if self.beta is None else self.beta_max * jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
         g = None
         if self.rule == "gdn":
             a = self.gate_a(x).astype(jnp.float32) + self.dt_bias[...]

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lineage_jax.layers.common import Dense, RMSNorm, apply_rope, normal, param  # apply_rope: re-exported
+from lineage_jax.layers.common import Dense, RMSNorm, YaRN, apply_rope, normal, param  # apply_rope: re-exported
 from lineage_jax.memory import _validate as V
 from lineage_jax.memory.segments import document_index
 from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
@@ -110,7 +110,8 @@ class MLA(nnx.Module):
     def __init__(self, d_model: int, *, num_heads: int, q_lora_rank: Optional[int] = None,
                  kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                  use_rope: bool = False, rope_theta: float = 10000.0, output_gate: bool = False,
-                 rngs: nnx.Rngs, decode_read: str = "auto", attention_impl: str = "auto"):
+                 rngs: nnx.Rngs, decode_read: str = "auto", attention_impl: str = "auto",
+                 yarn: Optional[YaRN] = None, softmax_scale: Optional[float] = None):
         resolve_read("MLA", decode_read, "decode_read")  # checked here, resolved when traced
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"MLA: `attention_impl` must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
@@ -131,8 +132,13 @@ class MLA(nnx.Module):
         H, n, r, dv = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.d_model, self.num_heads = d_model, H
         self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim = kv_lora_rank, n, r, dv
-        self.use_rope, self.rope_theta = bool(use_rope), float(rope_theta)
-        self.scale = float(n + r) ** -0.5
+        if yarn is not None and not use_rope:
+            raise ValueError("MLA: `yarn` scales RoPE; it needs use_rope=True")
+        if softmax_scale is not None and not softmax_scale > 0:
+            raise ValueError(f"MLA: `softmax_scale` must be positive or None, got {softmax_scale!r}")
+        self.use_rope, self.rope_theta, self.yarn = bool(use_rope), float(rope_theta), yarn
+        # Scores are multiplied by this (default (n + r) ** -0.5; DeepSeek-V3's YaRN multiplies it by mscale²).
+        self.scale = float(n + r) ** -0.5 if softmax_scale is None else float(softmax_scale)
         self.decode_read = decode_read  # how decode reads the latent cache: memory.cache_read's `read`
         self.attention_impl = attention_impl  # the fused attention of __call__: memory.softmax_attention's `impl`
 
@@ -159,7 +165,7 @@ class MLA(nnx.Module):
         q = self.wq(x) if self.wq is not None else self.wq_up(self.q_norm(self.wq_down(x)))
         q_nope, q_rope = q[..., :self.nope_dim], q[..., self.nope_dim:]
         if self.use_rope:
-            q_rope = apply_rope(q_rope, positions[..., None], theta=self.rope_theta)
+            q_rope = apply_rope(q_rope, positions[..., None], theta=self.rope_theta, yarn=self.yarn)
         return q_nope, q_rope
 
     def _latents(self, x: Array, positions: Array) -> tuple[Array, Array]:
@@ -167,7 +173,7 @@ class MLA(nnx.Module):
         c = self.kv_norm(self.wkv_down(x))
         k_rope = self.wk_rope(x)
         if self.use_rope:
-            k_rope = apply_rope(k_rope, positions, theta=self.rope_theta)
+            k_rope = apply_rope(k_rope, positions, theta=self.rope_theta, yarn=self.yarn)
         return c, k_rope
 
     def _output(self, o: Array, x: Array) -> Array:

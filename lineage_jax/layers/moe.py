@@ -72,8 +72,8 @@ class RouterStats(NamedTuple):
     scores: Array
 
 
-def select_experts(logits: Array, bias: Array, top_k: int,
-                   routed_scaling_factor: float = 1.0) -> tuple[Array, Array, Array]:
+def select_experts(logits: Array, bias: Array, top_k: int, routed_scaling_factor: float = 1.0, *,
+                   n_group: int = 1, topk_group: int = 1) -> tuple[Array, Array, Array]:
     """Sigmoid routing with a score-correction bias, in float32.
 
     Args:
@@ -81,6 +81,10 @@ def select_experts(logits: Array, bias: Array, top_k: int,
       bias: ``[E]`` score-correction bias (used for selection only, no gradient).
       top_k: experts per token.
       routed_scaling_factor: multiplies the renormalised weights.
+      n_group, topk_group: group-limited routing (DeepSeek-V3: 8 groups, top 4). The ``E`` experts
+        form ``n_group`` consecutive groups; each group is scored by the sum of its two largest
+        corrected scores (its largest one when a group holds a single expert), and a token picks its
+        ``top_k`` experts from its ``topk_group`` best groups only. ``n_group = 1``: plain top-k.
 
     Returns:
       ``expert_idx [N, k]`` int32 (the k largest ``scores + bias``, in decreasing order),
@@ -89,6 +93,13 @@ def select_experts(logits: Array, bias: Array, top_k: int,
     """
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     corrected = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if n_group > 1:
+        n, e = corrected.shape
+        grouped = corrected.reshape(n, n_group, e // n_group)
+        group_score = jnp.sum(jax.lax.top_k(grouped, min(2, e // n_group))[0], axis=-1)     # [N, G]
+        _, best = jax.lax.top_k(group_score, topk_group)                                     # [N, topk_group]
+        keep = jnp.any(best[..., None] == jnp.arange(n_group), axis=-2)                      # [N, G]
+        corrected = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(n, e)
     _, expert_idx = jax.lax.top_k(corrected, top_k)
     chosen = jnp.take_along_axis(scores, expert_idx, axis=-1)
     denom = jnp.maximum(jnp.sum(chosen, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
@@ -149,6 +160,7 @@ class MoE(nnx.Module):
       dispatch: ``"ragged"`` (dropless) or ``"capacity"`` (drops beyond capacity).
       capacity_factor: per-expert capacity is ``ceil(capacity_factor * N * k / E)``
         assignments (capped at ``N``); used only by ``dispatch="capacity"``.
+      n_group, topk_group: group-limited routing (:func:`select_experts`; 1, 1: plain top-k).
       matmul_impl: the routed experts' grouped matmuls for ``dispatch="ragged"`` (also
         expert-parallel): ``"auto"``, ``"ragged_dot"`` or ``"tiled"``
         (:func:`~lineage_jax.layers.grouped.grouped_matmul`).
@@ -158,7 +170,8 @@ class MoE(nnx.Module):
                  num_shared_experts: int = 0, shared_hidden: Optional[int] = None,
                  activation: str = "swiglu", routed_scaling_factor: float = 1.0,
                  latent_dim: Optional[int] = None, dispatch: str = "ragged",
-                 capacity_factor: float = 1.25, matmul_impl: str = "auto", rngs: nnx.Rngs):
+                 capacity_factor: float = 1.25, matmul_impl: str = "auto", n_group: int = 1, topk_group: int = 1,
+                 rngs: nnx.Rngs):
         if d_model <= 0:
             raise ValueError(f"MoE: `d_model` must be positive, got {d_model}")
         if num_experts <= 0:
@@ -181,6 +194,13 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: `capacity_factor` must be positive, got {capacity_factor}")
         if latent_dim is not None and latent_dim <= 0:
             raise ValueError(f"MoE: `latent_dim` must be positive or None, got {latent_dim}")
+        if not (isinstance(n_group, int) and n_group >= 1 and num_experts % n_group == 0):
+            raise ValueError(f"MoE: `n_group` must be a positive divisor of num_experts={num_experts}, got {n_group!r}")
+        if not (isinstance(topk_group, int) and 1 <= topk_group <= n_group):
+            raise ValueError(f"MoE: `topk_group` must be in [1, n_group={n_group}], got {topk_group!r}")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"MoE: `top_k`={top_k} exceeds the {topk_group * (num_experts // n_group)} experts "
+                             f"of topk_group={topk_group} groups")
         if matmul_impl not in GROUPED_MATMUL_IMPLS:
             raise ValueError(f"MoE: `matmul_impl` must be one of {GROUPED_MATMUL_IMPLS}, got {matmul_impl!r}")
 
@@ -193,6 +213,7 @@ class MoE(nnx.Module):
         self.capacity_factor = capacity_factor
         self.latent_dim = latent_dim
         self.matmul_impl = matmul_impl
+        self.n_group, self.topk_group = n_group, topk_group
 
         self.router = param(rngs, normal(d_model ** -0.5), (d_model, num_experts), ("embed", "experts"))
         self.router_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32), logical_axes=("experts",))
@@ -227,7 +248,8 @@ class MoE(nnx.Module):
         """
         x32 = x.reshape(-1, self.d_model).astype(jnp.float32)
         logits = x32 @ self.router[...]
-        return select_experts(logits, self.router_bias[...], self.top_k, self.routed_scaling_factor)
+        return select_experts(logits, self.router_bias[...], self.top_k, self.routed_scaling_factor,
+                              n_group=self.n_group, topk_group=self.topk_group)
 
     # ---------------------------------------------------------------------------- dispatch
     def _experts_ragged(self, z: Array, expert_idx: Array, weights: Array) -> tuple[Array, Array]:

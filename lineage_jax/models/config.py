@@ -73,6 +73,15 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base: softmax layers with positions="rope", MLA with mla_rope
     max_seq_len: int = 1024  # size of the learned position table
     norm: str = "rmsnorm"  # "layernorm" | "rmsnorm"
+    norm_eps: Optional[float] = None  # epsilon of the residual-stream norms; None: 1e-6 (rmsnorm), 1e-5 (layernorm)
+    # YaRN scaling of every RoPE (softmax layers with positions="rope", MLA with mla_rope): "none" | "yarn".
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0  # YaRN: context extension ratio
+    rope_original_max_len: int = 4096  # YaRN: the pretraining context
+    rope_beta_fast: float = 32.0  # YaRN: ramp bounds, in rotations over rope_original_max_len
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float = 1.0  # YaRN: multiplies the rotated channels (cos and sin)
+    rope_truncate: bool = True  # YaRN: round the ramp bounds to whole channels
     tie_embeddings: bool = False
     attn_bias: bool = False
     # Dense FFN.
@@ -90,6 +99,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     moe_dispatch: str = "ragged"  # "ragged" (dropless) | "capacity"
     capacity_factor: float = 1.25
+    n_group: int = 1  # group-limited routing: experts in n_group groups, each token picks from its
+    topk_group: int = 1  # topk_group best groups (DeepSeek-V3: 8 and 4); 1, 1: plain top-k
     # Fixed-state mixers (L, D, G, K).
     conv_size: int = 4
     chunk_size: Optional[int] = None  # chunk of the delta rules' chunked form; None: each backend's own
@@ -97,6 +108,10 @@ class ModelConfig:
     kda_gate_rank: Optional[int] = None  # default head_dim
     kda_output_gate: str = "lowrank"  # "lowrank" (Kimi Linear) | "full" (K3) | "none" (diagnostic)
     decay_a_init: str = "default"  # GDN / KDA decay scale at init: "default" | "unit" (A = 1; diagnostic)
+    silu_v: bool = False  # conv_size=0: SiLU on v too, as on q and k (fla); with a conv SiLU follows it on all three
+    allow_neg_eigval: bool = False  # delta rules (D, G, K): β = 2σ(·) ∈ (0, 2), eigenvalues of I − βkᵀk in (−1, 1]
+    kda_output_gate_bias: bool = False  # a bias on KDA's output gate (fla's low-rank gate has one; Kimi Linear's not)
+    mixer_norm_eps: float = 1e-6  # epsilon of the fixed-state mixers' (gated) output RMSNorm; fla and Kimi: 1e-5
     gdn_output_gate: str = "silu"  # GDN's full output gate: "silu" (fla's GatedDeltaNet) | "sigmoid" | "none"
     # Chunked form of the delta rules (D, G, K) in training / prefill: "auto" (the kernels.delta Pallas
     # kernels on GPU/TPU, lineage_jax.memory's XLA chunked form on the CPU), "xla" or "pallas"
@@ -110,6 +125,7 @@ class ModelConfig:
     v_head_dim: int = 0
     mla_rope: bool = False  # False: NoPE (Kimi Linear, K3)
     mla_output_gate: bool = False
+    mla_softmax_scale: Optional[float] = None  # MLA score scale; None: (qk_nope + qk_rope) ** -0.5
     # Residual.
     attnres_block: int = 0  # 0: plain residual; n > 0: block AttnRes, blocks of n layers
     # Execution.
@@ -138,6 +154,15 @@ class ModelConfig:
         validate(self)
 
     # ------------------------------------------------------------------ derived
+    @property
+    def yarn(self):
+        """The :class:`~lineage_jax.layers.common.YaRN` of ``rope_scaling="yarn"`` (else None)."""
+        if self.rope_scaling != "yarn":
+            return None
+        from lineage_jax.layers.common import YaRN
+        return YaRN(float(self.rope_factor), int(self.rope_original_max_len), float(self.rope_beta_fast),
+                    float(self.rope_beta_slow), float(self.rope_attention_factor), bool(self.rope_truncate))
+
     @property
     def num_layers(self) -> int:
         return len(self.pattern)
@@ -203,6 +228,23 @@ def validate(c: ModelConfig) -> None:
         _fail("head_dim", f"must be even with positions='rope', got {c.resolved_head_dim}")
     if c.norm not in ("layernorm", "rmsnorm"):
         _fail("norm", f"must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
+    for f in ("norm_eps", "mixer_norm_eps", "mla_softmax_scale"):
+        v = getattr(c, f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not v > 0):
+            _fail(f, f"must be a positive finite number{' or None' if f != 'mixer_norm_eps' else ''}, got {v!r}")
+    if c.rope_scaling not in ("none", "yarn"):
+        _fail("rope_scaling", f"must be 'none' or 'yarn', got {c.rope_scaling!r}")
+    if c.rope_scaling == "yarn":
+        if not (c.positions == "rope" and "S" in c.pattern or c.mla_rope and "M" in c.pattern):
+            _fail("rope_scaling", "'yarn' scales RoPE and no layer of this config rotates (softmax layers need "
+                                  "positions='rope', MLA layers mla_rope=True)")
+        if not c.rope_factor >= 1:
+            _fail("rope_factor", f"must be >= 1, got {c.rope_factor!r}")
+        positive("rope_original_max_len")
+        if not 0 < c.rope_beta_slow <= c.rope_beta_fast:
+            _fail("rope_beta_slow", f"must be in (0, rope_beta_fast={c.rope_beta_fast}], got {c.rope_beta_slow!r}")
+        if not c.rope_attention_factor > 0:
+            _fail("rope_attention_factor", f"must be > 0, got {c.rope_attention_factor!r}")
     if c.ffn_kind not in FFN_KINDS:
         _fail("ffn_kind", f"must be one of {FFN_KINDS}, got {c.ffn_kind!r}")
     if c.num_experts < 0:
@@ -225,6 +267,14 @@ def validate(c: ModelConfig) -> None:
             _fail("moe_dispatch", f"must be 'ragged' or 'capacity', got {c.moe_dispatch!r}")
         if not c.capacity_factor > 0:
             _fail("capacity_factor", f"must be > 0, got {c.capacity_factor}")
+        positive("n_group")
+        if c.num_experts % c.n_group:
+            _fail("n_group", f"must divide num_experts={c.num_experts}, got {c.n_group}")
+        if not isinstance(c.topk_group, int) or not 1 <= c.topk_group <= c.n_group:
+            _fail("topk_group", f"must be in [1, n_group={c.n_group}], got {c.topk_group!r}")
+        if c.top_k > c.topk_group * (c.num_experts // c.n_group):
+            _fail("top_k", f"{c.top_k} exceeds the {c.topk_group * (c.num_experts // c.n_group)} experts that "
+                           f"topk_group={c.topk_group} groups hold")
     if c.conv_size < 0 or c.conv_size == 1:
         _fail("conv_size", f"must be 0 (none) or >= 2, got {c.conv_size}")
     if c.kda_gate not in ("softplus", "bounded"):
@@ -245,6 +295,10 @@ def validate(c: ModelConfig) -> None:
         _fail("decay_a_init", f"must be 'default' or 'unit', got {c.decay_a_init!r}")
     if c.decay_a_init != "default" and not set(c.pattern) & {"G", "K"}:
         _fail("decay_a_init", f"sets the GDN / KDA decay scale and this pattern has neither ({c.pattern!r})")
+    if c.allow_neg_eigval and not set(c.pattern) & {"D", "G", "K"}:
+        _fail("allow_neg_eigval", f"sets the delta rules' β and this pattern has none ({c.pattern!r})")
+    if c.kda_output_gate_bias and ("K" not in c.pattern or c.kda_output_gate == "none"):
+        _fail("kda_output_gate_bias", "needs KDA layers ('K') with an output gate")
     if c.gdn_output_gate not in ("silu", "sigmoid", "none"):
         _fail("gdn_output_gate", f"must be 'silu', 'sigmoid' or 'none', got {c.gdn_output_gate!r}")
     if "M" in c.pattern:

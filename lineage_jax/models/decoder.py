@@ -46,7 +46,8 @@ class DecoderCache(NamedTuple):
 
 
 def _norm(cfg: ModelConfig, rngs: nnx.Rngs):
-    return LayerNorm(cfg.d_model, rngs=rngs) if cfg.norm == "layernorm" else RMSNorm(cfg.d_model, rngs=rngs)
+    kw = {} if cfg.norm_eps is None else {"eps": cfg.norm_eps}
+    return LayerNorm(cfg.d_model, rngs=rngs, **kw) if cfg.norm == "layernorm" else RMSNorm(cfg.d_model, rngs=rngs, **kw)
 
 
 def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
@@ -60,23 +61,26 @@ def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
                          use_bias=cfg.attn_bias, rngs=rngs, std=0.02 if gpt2_init else None,
                          out_std=0.02 / (2 * cfg.num_layers) ** 0.5 if gpt2_init else None,
                          rope_theta=cfg.rope_theta if cfg.positions == "rope" else None, decode_read=cfg.decode_read,
-                         attention_impl=cfg.attention_impl)
+                         attention_impl=cfg.attention_impl, yarn=cfg.yarn if cfg.positions == "rope" else None)
     if kind == "mla":
         return MLA(cfg.d_model, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
                    qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
                    v_head_dim=cfg.v_head_dim, use_rope=cfg.mla_rope, rope_theta=cfg.rope_theta,
                    output_gate=cfg.mla_output_gate, rngs=rngs, decode_read=cfg.decode_read,
-                   attention_impl=cfg.attention_impl)
+                   attention_impl=cfg.attention_impl, yarn=cfg.yarn if cfg.mla_rope else None,
+                   softmax_scale=cfg.mla_softmax_scale)
     return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
                        conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
                        gate_rank=cfg.kda_gate_rank, a_init=cfg.decay_a_init, chunk_size=cfg.chunk_size,
-                       backend=cfg.memory_backend, rngs=rngs, **_output_gate(cfg, kind))
+                       backend=cfg.memory_backend, norm_eps=cfg.mixer_norm_eps, silu_v=cfg.silu_v,
+                       allow_neg_eigval=cfg.allow_neg_eigval and kind != "linear", rngs=rngs, **_output_gate(cfg, kind))
 
 
 def _output_gate(cfg: ModelConfig, kind: str) -> dict:
     """The fixed-state mixers' output gate from the config (None: the rule's default)."""
     if kind == "kda":
-        return dict(output_gate=cfg.kda_output_gate)
+        return dict(output_gate=cfg.kda_output_gate,
+                    output_gate_bias=cfg.kda_output_gate_bias and cfg.kda_output_gate != "none")
     if kind == "gdn":
         return (dict(output_gate="none") if cfg.gdn_output_gate == "none"
                 else dict(output_gate="full", gate_activation=cfg.gdn_output_gate))
@@ -91,7 +95,8 @@ def make_ffn(cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
                num_shared_experts=cfg.num_shared_experts,
                shared_hidden=cfg.shared_hidden if cfg.num_shared_experts else None,
                activation=cfg.moe_activation, routed_scaling_factor=cfg.routed_scaling_factor,
-               latent_dim=cfg.moe_latent_dim, dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor, rngs=rngs)
+               latent_dim=cfg.moe_latent_dim, dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor,
+               n_group=cfg.n_group, topk_group=cfg.topk_group, rngs=rngs)
 
 
 # ---------------------------------------------------------------------------- residual streams

@@ -1,5 +1,9 @@
 """``python -m lineage_jax.train --config NAME --steps N --workdir DIR [--set key=value ...]``.
 
+``--init-from-hf DIR`` starts from a transformers checkpoint (GPT-2, Kimi Linear, DeepSeek-V3;
+``lineage_jax.hf``) instead of random weights: the model config is the checkpoint's (``--config``
+is then not needed; ``--set`` still overrides execution fields such as ``remat`` or ``dtype``).
+
 Rerunning the same command resumes exactly from the latest checkpoint in DIR; a larger
 ``--steps`` extends a finished run; a run directory moved or copied elsewhere resumes there.
 Every argument is checked before anything is written.
@@ -22,7 +26,10 @@ from lineage_jax.train.step import make_parallel
 
 def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     p = argparse.ArgumentParser(prog="python -m lineage_jax.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help=f"model config: {', '.join(config_names())}")
+    p.add_argument("--config", default=None, help=f"model config: {', '.join(config_names())} (not with --init-from-hf)")
+    p.add_argument("--init-from-hf", default=None, metavar="DIR",
+                   help="start from this transformers checkpoint directory (config.json + safetensors); "
+                        "its config.json gives the model config")
     p.add_argument("--steps", type=int, required=True,
                    help="total optimizer steps of the run (not additional ones): rerunning with a larger N "
                         "extends a finished run, with the same N resumes or reports a finished one")
@@ -41,9 +48,25 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
         p.error(f"--steps must be a positive number of steps, got {args.steps}")
     if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
         p.error(f"--workdir {args.workdir!r} is a file, not a directory")
-    if args.config not in config_names():
-        p.error(f"unknown --config {args.config!r}; valid names: {', '.join(config_names())}")
-    base = {"config": args.config, "steps": args.steps, "workdir": args.workdir}
+    if args.init_from_hf is not None:
+        if args.config is not None:
+            p.error("--config and --init-from-hf exclude each other (the checkpoint's config.json is the model config)")
+        from lineage_jax import hf
+        try:
+            base_model, family = hf.config_from_hf(hf.read_config(args.init_from_hf))
+            hf.Checkpoint(args.init_from_hf)  # the files exist (tensors are checked when loaded)
+        except ValueError as e:
+            p.error(f"--init-from-hf: {e}")
+        config_name = f"hf_{family}"
+    else:
+        if args.config is None:
+            p.error("one of --config or --init-from-hf is required")
+        if args.config not in config_names():
+            p.error(f"unknown --config {args.config!r}; valid names: {', '.join(config_names())}")
+        base_model, config_name = get_config(args.config), args.config
+    base = {"config": config_name, "steps": args.steps, "workdir": args.workdir}
+    if args.init_from_hf is not None:
+        base["init_from_hf"] = os.path.abspath(args.init_from_hf)
     if args.data is not None:
         base["data"] = args.data
     if args.mesh is not None:
@@ -54,7 +77,7 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
         base["mesh"] = args.mesh
     try:
         train_cfg = TrainConfig(**base)
-        train_cfg, model_cfg = apply_overrides(train_cfg, get_config(args.config), args.overrides)
+        train_cfg, model_cfg = apply_overrides(train_cfg, base_model, args.overrides)
     except ValueError as e:
         p.error(str(e))
     return train_cfg, model_cfg

@@ -39,6 +39,7 @@ class TrainConfig:
     save_every: int = 50
     keep_checkpoints: int = 2
     mesh: str = ""  # e.g. "data=2,expert=4" (see lineage_jax.parallel)
+    init_from_hf: str = ""  # a transformers checkpoint directory whose weights start the run (lineage_jax.hf)
     progress: bool = True
     # Bitwise-reproducible steps on GPUs (XLA's deterministic ops: ordered scatter-adds and
     # reductions, no autotuning by timing); a few percent slower. CPUs are deterministic anyway.

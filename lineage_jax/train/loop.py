@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 import jax
+from flax import nnx
 import numpy as np
 
 from lineage_jax import accounting
@@ -143,6 +144,24 @@ def evaluate(eval_step, state, batches: Iterator[dict], n: int, put: Callable = 
     return {"val_loss": loss, "val_perplexity": float(math.exp(min(loss, 50.0))), "val_accuracy": float(np.mean(accs))}
 
 
+def _init_from_hf(state, path: str, model_cfg: ModelConfig, parallel):
+    """``state`` with its parameters (and router biases) replaced by a transformers checkpoint's,
+    placed in the same shardings. The optimizer's initial state does not depend on the parameters'
+    values (zero moments), so it stays."""
+    from lineage_jax import hf
+
+    loaded = hf.load(path, mesh=None if parallel is None else parallel.mesh,
+                     rules=None if parallel is None else parallel.rules, scan_layers=model_cfg.scan_layers)
+    _, params, rest = nnx.split(loaded, nnx.Param, ...)
+    for name, new, old in (("parameters", params, state.params), ("state", rest, state.rest)):
+        want = jax.tree.map(lambda a: (a.shape, str(a.dtype)), old)
+        got = jax.tree.map(lambda a: (a.shape, str(a.dtype)), new)
+        if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
+            raise ValueError(f"--init-from-hf {path}: the checkpoint's {name} do not fit the run's model config "
+                             "(change only execution fields such as remat or dtype with --set)")
+    return state._replace(params=params, rest=rest)
+
+
 def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], Any], *,
           log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train ``model_cfg`` for ``train_cfg.steps`` steps in ``train_cfg.workdir``.
@@ -174,6 +193,9 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
     try:
         train_iter = data("train")
         start = 0
+        if train_cfg.init_from_hf and ckpt.latest_step() is None:
+            state = _init_from_hf(state, train_cfg.init_from_hf, model_cfg, parallel)
+            log(f"initialised from the transformers checkpoint {train_cfg.init_from_hf}")
         if ckpt.latest_step() is not None:
             state, data_state = ckpt.restore(state)
             train_iter.set_state(data_state)
