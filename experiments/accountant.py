@@ -75,7 +75,7 @@ def account(quick: bool = False) -> dict:
         "gpt2_xl_vocab_size": GPT2_XL_VOCAB,
         # view 1: stored parameters
         "ratio_total_vs_gpt2_small": k3_total / small["total"],
-        "seed_headline_ratio": 2.8e12 / 124e6,  # the seed's rounded inputs, for comparison only
+        "seed_headline_ratio": 2.8e12 / 124e6,  # the rounded inputs of the published estimate, for comparison only
         # view 2: against the model the 2019 paper headlines
         "ratio_total_vs_gpt2_xl": k3_total / xl["total"],
         "seed_xl_ratio": 2.8e12 / 1.5e9,

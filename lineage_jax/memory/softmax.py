@@ -206,7 +206,7 @@ def resolve_read(fn: str, read: str, arg: str = "read", *, reuse: int = 1) -> st
     ``"dot"`` reads with ``dot_general`` (einsum); ``"reduce"`` with multiply-and-reduce
     fusions. ``reuse`` is how many query rows meet each cached element (``H / Hkv`` for
     softmax attention; all ``H`` heads for MLA's shared latent). Measured on the H200
-    (2026-11-30, ``launch/probe_kv_read.py``, one layer, 1M tokens, bf16):
+    (2026-11-30, ``python -m experiments.kv_read``, one layer, 1M tokens, bf16):
 
     * MHA (16 heads x 128, reuse 1): dot 19.2 ms (447 GB/s; XLA:GPU copied K and V into
       the layout its batched product wants, a temporary as large as the cache, every

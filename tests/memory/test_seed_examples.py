@@ -1,7 +1,8 @@
-"""Seed 001's worked d = 4 examples, computed with the public memory API.
+"""Worked d = 4 examples (one-hot and overlapping keys, a 4 × 4 board), computed with the
+public memory API.
 
-These are specifications: each number below is printed in the seed, and the
-library must reproduce it from the stated keys, values, gates and strengths.
+These are specifications: each expected number is worked out by hand from the stated keys,
+values, gates and write strengths, and the library must reproduce it.
 """
 
 import jax.numpy as jnp
