@@ -5,8 +5,8 @@
         [--out DIR]    # DIR/kv_read.json
 
 A microbenchmark of one layer: ``experiments.decode_scaling`` found MHA's decode
-step at 1M tokens reading its cache at ~7% of the H200's bandwidth (docs/results.md, "How far
-from the roofline"). The library's cache is ``[B, L, Hkv, D]`` and a decode step is a product
+step at 1M tokens reading its cache at ~7% of the H200's bandwidth (docs/results.md,
+"Decode scaling"). The library's cache is ``[B, L, Hkv, D]`` and a decode step is a product
 per ``(b, h)`` — batch dims that are not the cache's leading dims. This times, on one layer:
 
 * ``dot``: ``memory.softmax_attention_step(..., read="dot")`` (einsum / ``dot_general``);
