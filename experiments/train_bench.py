@@ -26,6 +26,9 @@ as XLA assigned it (arguments + temporaries of the compiled step). A row that do
 recorded as ``"oom"`` and the run goes on. ``--isolate`` runs each row in a fresh process (the
 default keeps every row in one process). Writes ``train_bench.json`` and a bar chart
 ``train_bench.png`` (tokens/s per row, one group per shape, the reference's as a line).
+``--profile N`` also profiles N steps of every row (:mod:`experiments.op_profile`: GPU busy time
+per step by kind — matmul, attention, Pallas kernels, XLA fusions, memory — and the largest
+kernels) into the row's record and the printed table.
 
 Usage::
 
@@ -48,6 +51,7 @@ import numpy as np
 import optax
 
 from experiments import common as C
+from experiments import op_profile
 from lineage_jax import accounting
 from lineage_jax.models import ModelConfig
 from lineage_jax.models.config import REMAT_POLICIES
@@ -191,7 +195,8 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def measure(row: str, B: int, T: int, size: Size, *, remat: str, steps: int, warmup: int, window: int,
-            attention_impl: str = "auto", memory_backend: str = "auto", overrides: tuple = (), bar=None) -> dict:
+            attention_impl: str = "auto", memory_backend: str = "auto", overrides: tuple = (), bar=None,
+            profile: int = 0) -> dict:
     """Train ``row`` at batch ``B x T`` for ``warmup + steps`` steps; tokens/s, MFU, memory."""
     cfg = model_config(row, size, remat, attention_impl, memory_backend, overrides)
     tc = TrainConfig(config="custom", batch_size=B, seq_len=T, lr=1e-4, warmup_steps=0, moe_bias_rule="none",
@@ -221,6 +226,15 @@ def measure(row: str, B: int, T: int, size: Size, *, remat: str, steps: int, war
         if bar is not None:
             bar.update(window)
     step_s = statistics.median(times)
+    prof = None
+    if profile:
+        box = [state]
+
+        def once(run=compiled):
+            box[0], m = run(box[0], batch)
+            return m["loss"]
+        prof = op_profile.profile(once, profile)
+        state = box[0]
     tokens_s = B * T / step_s
     flops = 3 * accounting.flops_per_token(cfg, T)
     peak = peak_flops()
@@ -228,10 +242,11 @@ def measure(row: str, B: int, T: int, size: Size, *, remat: str, steps: int, war
     return {"row": row, "batch": B, "seq_len": T, "remat": remat, "status": "ok", "step_s": step_s,
             "tokens_per_s": tokens_s, "mfu": tokens_s * flops / peak if peak else None,
             "memory_bytes": mem, "compile_s": compile_s, "losses": losses,
-            "params": accounting.param_counts(cfg)}
+            "params": accounting.param_counts(cfg), **({"profile": prof} if prof else {})}
 
 
-def _isolated(row, B, T, remat, *, steps, warmup, window, attention_impl, memory_backend, overrides, quick) -> dict:
+def _isolated(row, B, T, remat, *, steps, warmup, window, attention_impl, memory_backend, overrides, quick,
+              profile=0) -> dict:
     """One measurement in a fresh Python process (its own allocator: no fragmentation left by
     earlier rows), read back from that process's JSON."""
     import json
@@ -242,7 +257,8 @@ def _isolated(row, B, T, remat, *, steps, warmup, window, attention_impl, memory
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "experiments.train_bench", "--rows", row, "--shapes", f"{B}x{T}", "--remat", remat,
                "--steps", str(steps), "--warmup", str(warmup), "--window", str(window), "--attention-impl",
-               attention_impl, "--memory-backend", memory_backend, "--out", tmp] + (["--quick"] if quick else [])
+               attention_impl, "--memory-backend", memory_backend, "--profile", str(profile), "--out", tmp] + (
+                   ["--quick"] if quick else [])
         for o in overrides:
             cmd += ["--set", o]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(C.REPO_ROOT))
@@ -257,7 +273,8 @@ def _isolated(row, B, T, remat, *, steps, warmup, window, attention_impl, memory
 
 def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), shapes: str = DEFAULT_SHAPES,
         remat: str = "dots", steps: int = 20, warmup: int = 3, window: int = 5, attention_impl: str = "auto",
-        memory_backend: str = "auto", overrides: Optional[list] = None, isolate: bool = False) -> dict:
+        memory_backend: str = "auto", overrides: Optional[list] = None, isolate: bool = False,
+        profile: int = 0) -> dict:
     overrides = tuple(overrides or ())
     for o in overrides:  # checked before anything runs
         model_config("hybrid", QUICK, "none", overrides=(o,))
@@ -281,7 +298,7 @@ def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), s
     record = C.provenance(NAME, quick)
     record.update(size=dataclasses.asdict(size), shapes=shape_list, remat=remats, steps=steps, warmup=warmup,
                   attention_impl=attention_impl, memory_backend=memory_backend, overrides=list(overrides),
-                  isolate=bool(isolate), results=[])
+                  isolate=bool(isolate), profile=int(profile), results=[])
     jobs = [(r, B, T, rm) for (B, T) in shape_list for rm in remats for r in names]
     n_windows = max(1, steps // window)
     with C.progress(total=len(jobs) * n_windows * window, desc="train_bench", unit="step") as bar:
@@ -290,7 +307,7 @@ def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), s
             if isolate:
                 res = _isolated(row, B, T, rm, steps=steps, warmup=warmup, window=window,
                                 attention_impl=attention_impl, memory_backend=memory_backend, overrides=overrides,
-                                quick=quick)
+                                quick=quick, profile=profile)
                 bar.update(n_windows * window)
                 record["results"].append(res)
                 C.save_partial(record, NAME, out)
@@ -298,7 +315,7 @@ def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), s
             try:
                 res = measure(row, B, T, size, remat=rm, steps=steps, warmup=warmup, window=window,
                               attention_impl=attention_impl, memory_backend=memory_backend, overrides=overrides,
-                              bar=bar)
+                              bar=bar, profile=profile)
             except Exception as e:  # one row failing (out of memory, an unsupported kernel) must not end the run
                 res = {"row": row, "batch": B, "seq_len": T, "remat": rm,
                        "status": "oom" if _is_oom(e) else "error",
@@ -362,8 +379,11 @@ def table(record: dict) -> str:
                          f"{r['compile_s']:.0f}s"])
         else:
             rows.append([r["row"], f"{r['batch']}x{r['seq_len']}", r["remat"], r["status"], "-", "-", "-", "-"])
-    return C.format_table(["row", "batch", "remat", "tokens/s", "MFU", "vs ref", "memory", "compile"], rows,
+    text = C.format_table(["row", "batch", "remat", "tokens/s", "MFU", "vs ref", "memory", "compile"], rows,
                           title=f"train_bench on {record['device']['description']}")
+    profiles = [op_profile.table(r["profile"], f"{r['row']} {r['batch']}x{r['seq_len']} remat={r['remat']}: ")
+                for r in record["results"] if r.get("profile")]
+    return "\n\n".join([text] + profiles)
 
 
 def main(argv=None):
@@ -383,6 +403,8 @@ def main(argv=None):
     p.add_argument("--isolate", action="store_true",
                    help="run each row in its own process (one allocator per row: on one H200 a 45 GiB step "
                         "buffer failed to allocate after three other rows in the same process, and fit alone)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile N steps of every row: GPU time per kind and the largest kernels (default: 0, off)")
     p.add_argument("--set", dest="overrides", action="append", metavar="FIELD=VALUE",
                    help="a ModelConfig field for every library row, e.g. --set moe_dispatch=capacity (repeatable)")
     return C.main_for(NAME, p, run, table, argv)

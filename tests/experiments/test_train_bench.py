@@ -8,8 +8,12 @@ from experiments import attention_bench, train_bench
 
 
 def test_train_bench_quick_runs_and_compares_to_the_reference(tmp_path):
-    rec = train_bench.run(quick=True, out=str(tmp_path), rows="reference,softmax", remat="dots")
+    rec = train_bench.run(quick=True, out=str(tmp_path), rows="reference,softmax", remat="dots", profile=2)
     rows = {r["row"]: r for r in rec["results"]}
+    prof = rows["softmax"]["profile"]
+    assert prof["calls"] == 2 and prof["busy_ms_per_call"] > 0 and prof["top"]
+    assert abs(sum(k["share"] for k in prof["kinds"].values()) - 1) < 1e-6
+    assert "busy" in train_bench.table(rec) and "softmax 2x64" in train_bench.table(rec)
     assert rows["reference"]["status"] == rows["softmax"]["status"] == "ok"
     assert rows["reference"]["vs_reference"] == 1.0
     assert rows["softmax"]["tokens_per_s"] > 0 and rows["softmax"]["memory_bytes"] > 0
@@ -41,3 +45,22 @@ def test_attention_bench_quick_checks_against_the_reference(tmp_path):
     assert {r["segments"] for r in rec["results"]} == {False, True}
     assert all(r["fwd_bwd_ms"] > 0 for r in rec["results"])
     assert all(c[n] < 2e-2 for c in rec["checks"] for n in ("o", "dq", "dk", "dv"))
+
+
+def test_op_profile_sums_device_streams_per_call_by_kind():
+    """A GPU-shaped Perfetto trace: kernels on the device's streams count (per call, by kind); the
+    'XLA Ops' line (the same time, annotated) and host events do not."""
+    from experiments import op_profile
+    M = lambda pid, tid, what, name: {"ph": "M", "pid": pid, "tid": tid, "name": what, "args": {"name": name}}
+    X = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "dur": dur, "ts": 0}
+    trace = {"traceEvents": [
+        M(1, 0, "process_name", "/host:CPU"), M(2, 0, "process_name", "/device:GPU:0 (pid 2)"),
+        M(2, 7, "thread_name", "Stream #13(Compute)"), M(2, 9, "thread_name", "XLA Ops"),
+        X(2, 7, "nvjet_tst_128x64_64x4_1x2_h_bz_TNT", 600.0), X(2, 7, "cudnn_generated_fusion_12", 300.0),
+        X(2, 7, "loop_multiply_fusion_3", 80.0), X(2, 7, "delta_state_fwd_triton", 20.0),
+        X(2, 9, "fusion.12", 999.0), X(1, 0, "PjitFunction(step)", 5000.0)]}
+    s = op_profile.summarize(trace, calls=2)
+    assert s["source"] == "device streams" and s["busy_ms_per_call"] == 0.5
+    assert {k: round(v["ms_per_call"], 3) for k, v in s["kinds"].items()} == {
+        "matmul": 0.3, "attention": 0.15, "fusion": 0.04, "pallas": 0.01}
+    assert s["top"][0]["kind"] == "matmul" and s["top"][0]["launches_per_call"] == 0.5
