@@ -117,21 +117,22 @@ def cache_bytes_per_token(config: ConfigLike, dtype_bytes: int = 2) -> int:
 def state_bytes(config: ConfigLike, dtype_bytes: int = 4, *, include_conv: bool = False) -> int:
     """Bytes of the *fixed* recurrent states of one sequence (independent of context).
 
-    Each fixed-state layer holds ``H · K · V`` (linear attention also its
-    normalizer ``H · K``). With ``include_conv``, the short-conv buffers
-    (``(conv_size − 1) · H · (2K + V)`` per layer) are added.
+    Each fixed-state layer holds ``H · K · V`` (``H``: the value heads of the delta rules;
+    linear attention also its normalizer ``H · K``). With ``include_conv``, the short-conv
+    buffers (``(conv_size − 1) · (2 H_qk K + H V)`` per layer) are added.
     """
     cfg = _cfg(config)
     H, K = cfg.num_heads, cfg.resolved_head_dim
+    Hv = cfg.num_v_heads or H
     total = 0
     for ch in cfg.pattern:
         kind = MIXERS[ch]
         if kind in ("deltanet", "gdn", "kda"):
-            total += H * K * K
+            total += Hv * K * K
         elif kind == "linear":
             total += H * K * K + H * K
         if include_conv and kind in ("deltanet", "gdn", "kda") and cfg.conv_size:
-            total += (cfg.conv_size - 1) * H * 3 * K
+            total += (cfg.conv_size - 1) * (2 * H + Hv) * K
     return int(dtype_bytes * total)
 
 
@@ -165,5 +166,6 @@ def flops_per_token(config: ConfigLike, seq_len: int) -> float:
         else:
             K = V = hd
             delta = kind != "linear"
-            total += H * ((4 + 2 * delta) * K * V + C * (K + V) + delta * C * K)
+            Hv = (cfg.num_v_heads or H) if delta else H  # the rule runs once per value head
+            total += Hv * ((4 + 2 * delta) * K * V + C * (K + V) + delta * C * K)
     return float(total)

@@ -268,6 +268,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                    moe_intermediate_size=cfg.moe_hidden, n_shared_experts=cfg.num_shared_experts,
                    routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group)
     if family == "kimi_linear":
+        if cfg.num_v_heads not in (None, cfg.num_heads):
+            raise HFError(f"ModelConfig.num_v_heads ({cfg.num_v_heads}): Kimi Linear's KDA has one value head per "
+                          f"query/key head ({cfg.num_heads})")
         if cfg.mixer_norm_eps != out["rms_norm_eps"]:
             raise HFError(f"ModelConfig.mixer_norm_eps ({cfg.mixer_norm_eps}) must equal norm_eps: Kimi Linear "
                           "has one rms_norm_eps")

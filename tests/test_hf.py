@@ -238,6 +238,12 @@ def test_save_refuses_a_model_without_a_transformers_layout(tmp_path):
         hf.save(model, str(tmp_path))
 
 
+def test_config_to_hf_refuses_grouped_value_heads_for_kimi():
+    cfg = _model("kimi_linear").cfg
+    with pytest.raises(hf.HFError, match="num_v_heads"):
+        hf.config_to_hf(cfg.replace(num_v_heads=2 * cfg.num_heads))
+
+
 # ---------------------------------------------------------------------------- command lines
 def test_generate_cli_samples_from_a_checkpoint(capsys):
     from lineage_jax import generate

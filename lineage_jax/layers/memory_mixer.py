@@ -119,6 +119,10 @@ class MemoryMixer(nnx.Module):
         Kimi Linear's has none).
       output_norm: RMSNorm each head's read (epsilon ``norm_eps``; fla and Kimi Linear use 1e-5).
       output_gate: "none" | "lowrank" | "full".
+      num_v_heads: value heads of the delta rules (default ``num_heads``): a multiple of
+        ``num_heads``; each query/key head is shared by ``num_v_heads // num_heads`` consecutive
+        value heads, and β, the decay, the state, the norm and the output gate are per value head
+        (fla's and Qwen3-Next's grouped Gated DeltaNet).
       gate_activation: the output gate's nonlinearity, "silu" | "sigmoid" (default: SiLU for
         GDN, as in fla's GatedDeltaNet, sigmoid otherwise).
       chunk_size: chunk of the WY/UT training form (None: the backend's own, see
@@ -133,7 +137,8 @@ class MemoryMixer(nnx.Module):
                  output_norm: Optional[bool] = None, output_gate: Optional[str] = None,
                  gate_activation: Optional[str] = None, a_init: str = "default", chunk_size: Optional[int] = None,
                  backend: str = "auto", norm_eps: float = 1e-6, silu_v: bool = False,
-                 allow_neg_eigval: bool = False, output_gate_bias: bool = False, rngs: nnx.Rngs):
+                 allow_neg_eigval: bool = False, output_gate_bias: bool = False, num_v_heads: Optional[int] = None,
+                 rngs: nnx.Rngs):
         if rule not in RULES:
             raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
@@ -155,22 +160,28 @@ class MemoryMixer(nnx.Module):
         if gate_activation not in GATE_ACTIVATIONS:
             raise ValueError(f"MemoryMixer: `gate_activation` must be one of {GATE_ACTIVATIONS}, "
                              f"got {gate_activation!r}")
-        H, K = num_heads, head_dim
+        Hq, K = num_heads, head_dim
+        H = Hq if num_v_heads is None else num_v_heads
+        if not isinstance(H, int) or H <= 0 or H % Hq:
+            raise ValueError(f"MemoryMixer: `num_v_heads` must be a positive multiple of num_heads={Hq}, got {H!r}")
+        if H != Hq and rule == "linear":
+            raise ValueError("MemoryMixer: `num_v_heads` (grouped value heads) is for the delta rules, not linear")
         Vd = head_dim if v_head_dim is None else v_head_dim
         rank = head_dim if gate_rank is None else gate_rank
         if rank <= 0:
             raise ValueError(f"MemoryMixer: `gate_rank` must be positive, got {rank}")
-        self.rule, self.d_model, self.num_heads, self.head_dim, self.v_head_dim = rule, d_model, H, K, Vd
+        self.rule, self.d_model, self.num_heads, self.head_dim, self.v_head_dim = rule, d_model, Hq, K, Vd
+        self.num_v_heads = H
         self.conv_size, self.kda_gate, self.gate_bound, self.chunk_size = conv_size, kda_gate, gate_bound, chunk_size
         self.output_gate, self.gate_activation, self.backend = output_gate, gate_activation, backend
         self.silu_v, self.beta_max = bool(silu_v), 2.0 if allow_neg_eigval else 1.0
         if output_gate_bias and output_gate == "none":
             raise ValueError("MemoryMixer: `output_gate_bias` needs an output gate (output_gate='none')")
 
-        self.q = Dense(d_model, (H, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
-        self.k = Dense(d_model, (H, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
+        self.q = Dense(d_model, (Hq, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
+        self.k = Dense(d_model, (Hq, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
         self.v = Dense(d_model, (H, Vd), axes=("embed", "heads", "head_dim"), rngs=rngs)
-        self.conv = (param(rngs, normal(conv_size ** -0.5), (conv_size, H * (2 * K + Vd)), ("conv", "heads"))
+        self.conv = (param(rngs, normal(conv_size ** -0.5), (conv_size, self.conv_channels), ("conv", "heads"))
                      if conv_size else None)
         self.beta = Dense(d_model, H, axes=("embed", "heads"), rngs=rngs) if rule != "linear" else None
         if rule == "gdn":
@@ -195,6 +206,11 @@ class MemoryMixer(nnx.Module):
                                   use_bias=output_gate_bias)
         self.o = param(rngs, normal((H * Vd) ** -0.5), (H, Vd, d_model), ("heads", "head_dim", "embed"))
 
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the short convolution: q and k (``num_heads``), v (``num_v_heads``)."""
+        return 2 * self.num_heads * self.head_dim + self.num_v_heads * self.v_head_dim
+
     # ------------------------------------------------------------------ pieces
     def _check(self, fn: str, x: Array, rank: int) -> None:
         if x.ndim != rank or x.shape[-1] != self.d_model:
@@ -204,7 +220,7 @@ class MemoryMixer(nnx.Module):
     def _inputs(self, x: Array, conv_prefix: Optional[Array], doc: Optional[Array]):
         """Project ``x [B,T,D]`` to the rule's ``(q, k, v, g, β)`` and the new conv prefix."""
         B, T, _ = x.shape
-        H, K, Vd = self.num_heads, self.head_dim, self.v_head_dim
+        H, Hv, K, Vd = self.num_heads, self.num_v_heads, self.head_dim, self.v_head_dim
         q, k, v = self.q(x), self.k(x), self.v(x)
         new_prefix = None
         if self.conv is not None:
@@ -212,7 +228,7 @@ class MemoryMixer(nnx.Module):
             qkv, new_prefix = causal_conv(qkv, self.conv[...], conv_prefix, doc)
             qkv = jax.nn.silu(qkv)
             q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
-            q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, Vd)
+            q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, Hv, Vd)
         if self.rule == "linear":
             q, k = jax.nn.elu(q) + 1.0, jax.nn.elu(k) + 1.0
         else:
@@ -221,6 +237,8 @@ class MemoryMixer(nnx.Module):
                 if self.silu_v:
                     v = jax.nn.silu(v)
             q, k = l2_normalize(q), l2_normalize(k)
+            if Hv != H:  # grouped value heads: each q/k head serves Hv // H consecutive value heads
+                q, k = jnp.repeat(q, Hv // H, axis=2), jnp.repeat(k, Hv // H, axis=2)
         beta = None if self.beta is None else self.beta_max * jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
         g = None
         if self.rule == "gdn":
@@ -266,8 +284,8 @@ class MemoryMixer(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int = 0, dtype=jnp.float32) -> MemoryCache:
         """A zero state (``max_len`` is ignored: the state does not grow)."""
-        H, K, Vd = self.num_heads, self.head_dim, self.v_head_dim
-        conv = (jnp.zeros((batch, self.conv_size - 1, H * (2 * K + Vd)), dtype) if self.conv is not None else None)
+        H, K, Vd = self.num_v_heads, self.head_dim, self.v_head_dim
+        conv = (jnp.zeros((batch, self.conv_size - 1, self.conv_channels), dtype) if self.conv is not None else None)
         S = jnp.zeros((batch, H, K, Vd), jnp.float32)
         state = (S, jnp.zeros((batch, H, K), jnp.float32)) if self.rule == "linear" else S
         return MemoryCache(conv, state)

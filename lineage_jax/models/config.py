@@ -110,6 +110,9 @@ class ModelConfig:
     decay_a_init: str = "default"  # GDN / KDA decay scale at init: "default" | "unit" (A = 1; diagnostic)
     silu_v: bool = False  # conv_size=0: SiLU on v too, as on q and k (fla); with a conv SiLU follows it on all three
     allow_neg_eigval: bool = False  # delta rules (D, G, K): β = 2σ(·) ∈ (0, 2), eigenvalues of I − βkᵀk in (−1, 1]
+    # Value heads of the delta rules (D, G, K), a multiple of num_heads: each q/k head serves
+    # num_v_heads // num_heads value heads (fla's / Qwen3-Next's grouped GDN). None: num_heads.
+    num_v_heads: Optional[int] = None
     kda_output_gate_bias: bool = False  # a bias on KDA's output gate (fla's low-rank gate has one; Kimi Linear's not)
     mixer_norm_eps: float = 1e-6  # epsilon of the fixed-state mixers' (gated) output RMSNorm; fla and Kimi: 1e-5
     gdn_output_gate: str = "silu"  # GDN's full output gate: "silu" (fla's GatedDeltaNet) | "sigmoid" | "none"
@@ -295,6 +298,11 @@ def validate(c: ModelConfig) -> None:
         _fail("decay_a_init", f"must be 'default' or 'unit', got {c.decay_a_init!r}")
     if c.decay_a_init != "default" and not set(c.pattern) & {"G", "K"}:
         _fail("decay_a_init", f"sets the GDN / KDA decay scale and this pattern has neither ({c.pattern!r})")
+    if c.num_v_heads is not None and (not isinstance(c.num_v_heads, int) or c.num_v_heads <= 0
+                                      or c.num_v_heads % c.num_heads):
+        _fail("num_v_heads", f"must be a positive multiple of num_heads={c.num_heads}, got {c.num_v_heads!r}")
+    if c.num_v_heads not in (None, c.num_heads) and not set(c.pattern) & {"D", "G", "K"}:
+        _fail("num_v_heads", f"sets the delta rules' value heads and this pattern has none ({c.pattern!r})")
     if c.allow_neg_eigval and not set(c.pattern) & {"D", "G", "K"}:
         _fail("allow_neg_eigval", f"sets the delta rules' β and this pattern has none ({c.pattern!r})")
     if c.kda_output_gate_bias and ("K" not in c.pattern or c.kda_output_gate == "none"):

@@ -1,5 +1,6 @@
-"""Pallas chunked delta-rule kernels vs the XLA chunked form (compiled on a GPU / TPU; in
-interpret mode on the CPU and for a flavour other than the machine's).
+"""Pallas chunked delta-rule kernels vs their token-by-token reference (``kernels.delta.reference``:
+plain jax.numpy, nothing from lineage_jax), compiled on a GPU / TPU, in interpret mode on the
+CPU and for a flavour other than the machine's.
 
 Forward output, final state and every gradient (dq, dk, dv, dβ, dg, dh0) for
 DeltaNet, Gated DeltaNet (scalar-gate kernels), KDA (exact per-channel kernels) and
@@ -22,9 +23,7 @@ import numpy as np
 import pytest
 
 from kernels.delta import api as kd
-from lineage_jax import memory as M
-from kernels.delta.api import RESIDUALS
-from lineage_jax.memory.rules import DELTA_RESIDUALS
+from kernels.delta import reference as kref
 
 B, T, H, K, V = 2, 75, 2, 16, 16  # odd T: 3 chunks of 32 (GPU flavour), 2 of 64 (TPU flavour)
 RULES = ("delta", "gdn", "kda", "kda_bounded")  # kda_bounded: chunk_kda(..., gate_lower_bound=-5)
@@ -98,11 +97,8 @@ def _rule(rule, backend, target=None, chunk_size=None, tuning=()):
             if rule == "gdn":
                 return kd.chunk_gated_delta_rule(q, k, v, gs, beta, **kw)
             return kd.chunk_delta_rule(q, k, v, beta, **kw)
-        if rule in ("kda", "kda_bounded"):
-            return M.kda(q, k, v, g, beta, backend="xla", **kw)
-        if rule == "gdn":
-            return M.gated_delta_rule(q, k, v, gs, beta, backend="xla", **kw)
-        return M.delta_rule(q, k, v, beta, backend="xla", **kw)
+        gate = {"kda": g, "kda_bounded": g, "gdn": gs}.get(rule)  # the token-by-token reference
+        return kref.recurrent(q, k, v, beta, gate, **kw)
     return fn
 
 
@@ -125,7 +121,7 @@ def value_and_grads(rule, backend, docs, target=None, chunk_size=None, tuning=()
 def run(rule, backend, x, docs, **kw):
     f = value_and_grads(rule, backend, docs, **kw)
     args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "gs", "beta", "S0", "seg", "w_o", "w_s")]
-    if backend == "xla":  # reference: f32 copies of the (possibly bf16-rounded) inputs
+    if backend == "reference":  # f32 copies of the (possibly bf16-rounded) inputs
         args = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     (_, (o, S)), grads = f(*args)
     return o, S, dict(zip(("dq", "dk", "dv", "dg", "dgs", "dbeta", "dS0"), grads))
@@ -133,7 +129,7 @@ def run(rule, backend, x, docs, **kw):
 
 def check(rule, x, docs, tol, **kw):
     o1, s1, g1 = run(rule, "kernels", x, docs, **kw)
-    o0, s0, g0 = run(rule, "xla", x, docs)
+    o0, s0, g0 = run(rule, "reference", x, docs)
     for name, a in [("o", o1), ("S", s1), *g1.items()]:
         assert np.all(np.isfinite(np.asarray(a, np.float32))), f"{rule}: non-finite {name}"
     assert rel_err(o1, o0) <= tol, ("o", rel_err(o1, o0))
@@ -151,7 +147,7 @@ def check(rule, x, docs, tol, **kw):
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("docs", [True, False], ids=["resets", "no-resets"])
-def test_fp32_forward_and_grads_match_xla(rule, docs):
+def test_fp32_forward_and_grads_match_the_reference(rule, docs):
     check(rule, make_inputs(0), docs, 1e-4)
 
 
@@ -232,27 +228,10 @@ def test_kernels_lower(platform, rule):
     assert ("triton" in text) if platform == "cuda" else ("tpu_custom_call" in text)
 
 
-# ----------------------------------------------------------------------------- backend plumbing
-def test_backend_pallas_matches_xla_through_rules():
-    x = make_inputs(5)
-    args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")]
-    kw = dict(initial_state=jnp.asarray(x["S0"]), segment_ids=jnp.asarray(x["seg"]))
-    o1, s1 = M.kda(*args, backend="pallas", **kw)
-    o0, s0 = M.kda(*args, backend="xla", **kw)
-    assert rel_err(o1, o0) <= 1e-4 and rel_err(s1, s0) <= 1e-4
-    o2, _ = M.kda(*args, backend="auto", **kw)  # auto: XLA on a CPU, the kernels on a GPU / TPU
-    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o0 if jax.default_backend() == "cpu" else o1))
-
-
-def test_backend_errors():
+# ----------------------------------------------------------------------------- argument checks
+def test_chunk_size_errors():
     x = make_inputs(6)
     q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
-    with pytest.raises(ValueError, match="backend"):
-        M.delta_rule(q, k, v, beta, backend="cuda")
-    with pytest.raises(ValueError, match="backend"):
-        M.gated_delta_rule(q, k, v, jnp.asarray(x["gs"]), beta, backend=None)
-    with pytest.raises(ValueError, match="backend"):
-        M.kda(q, k, v, jnp.asarray(x["g"]), beta, backend="pallas", mode="recurrent")
     with pytest.raises(ValueError, match="chunk_size"):
         kd.chunk_delta_rule(q, k, v, beta, chunk_size=48)
 
@@ -266,8 +245,3 @@ def test_gate_lower_bound_errors():
         kd.chunk_kda(q, k, v, jnp.maximum(g, -5.0), beta, gate_lower_bound=-20.0)
     with pytest.raises(ValueError, match="per-channel"):  # scalar gates need no bound
         kd.chunk_gated_delta_rule(q, k, v, gs, beta, gate_lower_bound=BOUND)
-
-
-def test_residual_names_agree():
-    """The remat policy names the kernels' residuals through lineage_jax.memory (no import cycle)."""
-    assert RESIDUALS == DELTA_RESIDUALS

@@ -24,7 +24,8 @@ def make(kind, **kw):
 
 CASES = [("softmax", {}), ("linear", {}), ("deltanet", {}), ("deltanet", {"conv_size": 0}), ("gdn", {}),
          ("kda", {}), ("kda", {"kda_gate": "bounded", "output_gate": "full"}), ("kda", {"gate_rank": 3}),
-         ("softmax", {"decode_read": "reduce"}), ("softmax", {"rope_theta": 100.0})]
+         ("softmax", {"decode_read": "reduce"}), ("softmax", {"rope_theta": 100.0}),
+         ("gdn", {"num_v_heads": 6}), ("kda", {"num_v_heads": 6, "kda_gate": "bounded"})]
 
 
 call = nnx.jit(lambda m, x: m(x))
@@ -253,3 +254,33 @@ def test_memory_backend_defaults_to_auto():
     assert MemoryMixer(32, rule="deltanet", num_heads=2, head_dim=16, rngs=nnx.Rngs(0)).backend == "auto"
     with pytest.raises(ValueError, match="MemoryMixer: `backend` must be one of"):
         MemoryMixer(32, rule="deltanet", num_heads=2, head_dim=16, backend="cuda", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("rule", ["gdn", "kda", "deltanet"])
+def test_grouped_value_heads_share_each_query_key_head(rule):
+    """num_v_heads = 2 x num_heads is the ungrouped layer whose q/k projections repeat each head
+    twice (consecutive value heads share it), all per-value-head parameters equal."""
+    x = jax.random.normal(jax.random.key(3), (2, 11, D))
+    kw = dict(rule=rule, head_dim=8, conv_size=0, backend="xla", chunk_size=8)
+    grouped = MemoryMixer(D, num_heads=2, num_v_heads=4, rngs=nnx.Rngs(0), **kw)
+    flat = MemoryMixer(D, num_heads=4, rngs=nnx.Rngs(1), **kw)
+    for name in ("v", "beta", "gate_a", "gate_b", "out_gate", "out_gate_a"):
+        if hasattr(grouped, name):
+            getattr(flat, name).kernel[...] = getattr(grouped, name).kernel[...]
+    for name in ("A_log", "dt_bias", "o"):
+        if hasattr(grouped, name):
+            getattr(flat, name)[...] = getattr(grouped, name)[...]
+    if grouped.norm is not None:
+        flat.norm.scale[...] = grouped.norm.scale[...]
+    for name in ("q", "k"):
+        getattr(flat, name).kernel[...] = jnp.repeat(getattr(grouped, name).kernel[...], 2, axis=1)
+    assert grouped.q.kernel.shape == (D, 2, 8) and grouped.v.kernel.shape == (D, 4, 8)
+    np.testing.assert_allclose(np.asarray(grouped(x)), np.asarray(flat(x)), rtol=1e-5, atol=1e-6)
+    assert grouped.init_cache(2).state.shape == (2, 4, 8, 8)
+
+
+def test_grouped_value_heads_refused_when_not_a_multiple():
+    with pytest.raises(ValueError, match="num_v_heads"):
+        MemoryMixer(D, rule="gdn", num_heads=2, head_dim=8, num_v_heads=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_v_heads"):
+        MemoryMixer(D, rule="linear", num_heads=2, head_dim=8, num_v_heads=4, rngs=nnx.Rngs(0))

@@ -396,6 +396,7 @@ def test_router_bias_updates_reach_every_moe_layer(rule):
         assert after[0].reshape(-1, cfg.num_experts)[0, e] < before[0].reshape(-1, cfg.num_experts)[0, e]
 
 
+@pytest.mark.slow  # the default suite keeps the tiny_k3 macrocycle scan test
 def test_93_layer_config_traces_one_macrocycle():
     """K3's layout (23 × KKKM + M) at toy width: the scan keeps compile time near a 9-layer model's."""
     import time
@@ -426,3 +427,22 @@ def test_scanned_decode_updates_the_cache_in_place():
         pytest.skip("this backend reports no memory analysis")
     cache_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
     assert mem.temp_size_in_bytes < cache_bytes, (mem.temp_size_in_bytes, cache_bytes)
+
+
+def test_grouped_value_heads_model_decodes_like_its_forward_and_counts_its_state():
+    base = get_config("tiny_gdn").replace(memory_backend="xla")
+    cfg = base.replace(num_v_heads=2 * base.num_heads)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, cfg.vocab_size)
+    logits = call(model, tokens)
+    cache = model.init_cache(2, 12)
+    lp, cache = prefill(model, tokens[:, :5], cache)
+    assert rel(lp, logits[:, :5]) <= 1e-5
+    for t in range(5, 9):
+        lt, cache = decode(model, tokens[:, t], cache)
+        assert rel(lt, logits[:, t]) <= 1e-5, t
+    from lineage_jax import accounting
+    assert accounting.state_bytes(cfg) == 2 * accounting.state_bytes(base)
+    assert accounting.flops_per_token(cfg, 64) > accounting.flops_per_token(base, 64)
+    with pytest.raises(ValueError, match="num_v_heads"):
+        base.replace(num_v_heads=base.num_heads + 1)

@@ -90,7 +90,7 @@ def test_chunk_size_invariance(name):
         assert rel_err(o, outs[0][0]) <= 1e-5 and rel_err(S, outs[0][1]) <= 1e-5
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     name=st.sampled_from(ALL),
     B=st.integers(1, 2),

@@ -106,6 +106,7 @@ def test_tiny_kimi_linear_sharded():
     assert "num_experts" in res["error_experts"]
 
 
+@pytest.mark.slow  # the default suite keeps test_sharded_training_equals_single_device and test_exact_resume
 def test_train_loop_on_a_mesh_matches_one_device_and_resumes():
     """The train loop with TrainConfig.mesh (the CLI's --mesh): expert-parallel and tensor×FSDP
     runs equal one device per step, and a SIGTERM-preempted sharded run resumes exactly."""
