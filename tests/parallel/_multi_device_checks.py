@@ -366,8 +366,33 @@ def case_train_loop() -> dict:
     return res
 
 
+def case_hf_load() -> dict:
+    """A transformers checkpoint (the tiny Kimi Linear fixture: KDA, MLA, 4 experts) loaded straight
+    onto a data=2 x expert=4 mesh: each parameter in its sharding, equal to a one-device load."""
+    from lineage_jax import hf
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hf", "kimi_linear")
+    ref = hf.load(path)
+    mesh = make_mesh({"data": 2, "expert": 4})
+    model = hf.load(path, mesh=mesh)
+    ref_params = dict(nnx.state(ref).flat_state())
+    max_diff, expert_split, placed = 0.0, 0, 0
+    for p, v in nnx.state(model).flat_state():
+        arr = v.get_value()
+        placed += int(arr.sharding.mesh.shape == mesh.shape)
+        max_diff = max(max_diff, float(np.max(np.abs(np.asarray(arr) - np.asarray(ref_params[p].get_value())))))
+        spec = tuple(arr.sharding.spec)
+        if spec and spec[0] == "expert" and arr.shape[0] == ref.cfg.num_experts:  # routed experts [E, ...]
+            expert_split += 1
+            assert arr.addressable_shards[0].data.shape[0] * 4 == arr.shape[0], (p, arr.sharding)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, ref.cfg.vocab_size, (2, 12)), jnp.int32)
+    logits_rel = rel(np.asarray(model(tokens)), np.asarray(ref(tokens)))
+    return {"max_param_diff": max_diff, "params": len(ref_params), "placed_on_mesh": placed,
+            "expert_sharded": expert_split, "logits_rel": logits_rel}
+
+
 CASES = {"moe": case_moe, "model": case_model, "kimi_linear": case_kimi_linear, "decode": case_decode,
-         "train_loop": case_train_loop}
+         "train_loop": case_train_loop, "hf_load": case_hf_load}
 
 
 def main(argv) -> int:

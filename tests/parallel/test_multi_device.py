@@ -121,3 +121,11 @@ def test_train_loop_on_a_mesh_matches_one_device_and_resumes():
     assert "num_experts" in res["error_experts"]
     assert "16 devices" in res["error_devices"]
     assert res["dense_expert_axis_is_fsdp"]
+
+
+@pytest.mark.slow  # tests/test_hf.py places a load on a one-device mesh in the default suite
+def test_transformers_checkpoint_loads_onto_an_expert_parallel_mesh():
+    res = run_case("hf_load")
+    assert res["max_param_diff"] == 0.0 and res["placed_on_mesh"] == res["params"], res
+    assert res["expert_sharded"] >= 3, res  # the routed experts' three weights split over "expert"
+    assert res["logits_rel"] <= TOL, res
