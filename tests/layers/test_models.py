@@ -26,6 +26,19 @@ def rel(a, b):
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
+def check_decode_after_prefill(model, tokens, split: int, max_len: int, tol: float, logits=None):
+    """Prefill ``tokens[:, :split]`` into a fresh cache, decode the rest one token at a time: every
+    step's logits equal the full forward's (relative error <= ``tol``)."""
+    logits = call(model, tokens) if logits is None else logits
+    cache = model.init_cache(tokens.shape[0], max_len)
+    lp, cache = prefill(model, tokens[:, :split], cache)
+    assert rel(lp, logits[:, :split]) <= tol
+    for t in range(split, tokens.shape[1]):
+        lt, cache = decode(model, tokens[:, t], cache)
+        assert rel(lt, logits[:, t]) <= tol, t
+    return cache
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_decode_after_prefill_equals_full_forward(name):
     cfg = get_config(name)
@@ -33,13 +46,7 @@ def test_decode_after_prefill_equals_full_forward(name):
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
     logits = call(model, tokens)
     assert logits.shape == (2, 12, cfg.vocab_size) and np.all(np.isfinite(logits))
-    cache = model.init_cache(2, 16)
-    lp, cache = prefill(model, tokens[:, :7], cache)
-    tol = tolerance(1e-5, kernels=_runs_kernels(cfg))
-    assert rel(lp, logits[:, :7]) <= tol
-    for t in range(7, 12):
-        lt, cache = decode(model, tokens[:, t], cache)
-        assert rel(lt, logits[:, t]) <= tol, (name, t)
+    cache = check_decode_after_prefill(model, tokens, 7, 16, tolerance(1e-5, kernels=_runs_kernels(cfg)), logits)
     assert np.all(np.asarray(cache.length) == 12)
 
 
@@ -434,13 +441,7 @@ def test_grouped_value_heads_model_decodes_like_its_forward_and_counts_its_state
     cfg = base.replace(num_v_heads=2 * base.num_heads)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, cfg.vocab_size)
-    logits = call(model, tokens)
-    cache = model.init_cache(2, 12)
-    lp, cache = prefill(model, tokens[:, :5], cache)
-    assert rel(lp, logits[:, :5]) <= 1e-5
-    for t in range(5, 9):
-        lt, cache = decode(model, tokens[:, t], cache)
-        assert rel(lt, logits[:, t]) <= 1e-5, t
+    check_decode_after_prefill(model, tokens, 5, 12, 1e-5)
     from lineage_jax import accounting
     assert accounting.state_bytes(cfg) == 2 * accounting.state_bytes(base)
     assert accounting.flops_per_token(cfg, 64) > accounting.flops_per_token(base, 64)

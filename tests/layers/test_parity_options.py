@@ -16,6 +16,7 @@ from lineage_jax.layers.memory_mixer import MemoryMixer
 from lineage_jax.layers.mla import MLA
 from lineage_jax.layers.moe import select_experts
 from lineage_jax.models import Decoder, ModelConfig, get_config
+from tests.layers.test_models import check_decode_after_prefill
 
 D = 24
 
@@ -163,13 +164,7 @@ def test_decoder_with_every_option_prefill_decode_grad():
     assert model.groups[0].blocks[0].norm1.eps == 1e-5
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
     with jax.default_matmul_precision("highest"):
-        logits = call(model, tokens)
-        cache = model.init_cache(2, 10)
-        pre, cache = prefill(model, tokens[:, :5], cache)
-        assert rel(pre, logits[:, :5]) <= 1e-5
-        for t in range(5, 9):
-            step, cache = decode(model, tokens[:, t], cache)
-            assert rel(step, logits[:, t]) <= 1e-5
+        check_decode_after_prefill(model, tokens, 5, 10, 1e-5)
     grads = nnx.jit(nnx.grad(lambda m, t: jnp.mean(m(t) ** 2)))(model, tokens)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(nnx.state(grads, nnx.Param)))
 
