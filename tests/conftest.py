@@ -20,7 +20,7 @@ SUITE_PRECISION = "highest"
 
 
 def pytest_configure(config):
-    # Process-wide (module- and session-scoped fixtures included), in every xdist worker.
+    # Process-wide, so fixtures of every scope see it too; runs in every xdist worker.
     jax.config.update("jax_default_matmul_precision", SUITE_PRECISION)
 
 
