@@ -118,21 +118,22 @@ def test_unscanned_is_the_same_model_layer_by_layer(name):
                         if isinstance(v, nnx.Variable)]
                 assert all(a is None or "layers" not in a for a in axes)  # no stacked axis left
     tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, cfg.vocab_size)
-    assert rel(call(flat, tokens), call(scanned, tokens)) <= 1e-5
+    tol = tolerance(1e-5, kernels=_runs_kernels(cfg))  # two compilations of the same math
+    assert rel(call(flat, tokens), call(scanned, tokens)) <= tol
     caches = [m.init_cache(2, 12) for m in (scanned, flat)]
     for m_i, m in enumerate((scanned, flat)):
         _, caches[m_i] = prefill(m, tokens[:, :6], caches[m_i])
     for t in range(6, 10):
         ls, caches[0] = decode(scanned, tokens[:, t], caches[0])
         lf, caches[1] = decode(flat, tokens[:, t], caches[1])
-        assert rel(lf, ls) <= 1e-5, (name, t)
+        assert rel(lf, ls) <= tol, (name, t)
     # The stacked caches, sliced per layer, are the per-layer caches.
     stacked, per_layer = caches[0].layers, caches[1].layers
     for g, (first, p, n) in enumerate(scanned.groups_spec):
         for r in range(n):
             for j in range(p):
                 want = jax.tree.map(lambda a: a[r] if n > 1 else a, stacked[g][j])
-                jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=tol, atol=tol / 10),
                              per_layer[first + r * p + j][0], want)
 
 

@@ -51,7 +51,8 @@ def _consistent(layer, T=9, P=5, grads=True):
 
 
 def _mixer(**kw):
-    return MemoryMixer(D, num_heads=3, head_dim=8, chunk_size=4, rngs=nnx.Rngs(0), **kw)
+    # 4-token chunks: the XLA chunked form on every backend (the Pallas kernels take chunks >= 16).
+    return MemoryMixer(D, num_heads=3, head_dim=8, chunk_size=4, backend="xla", rngs=nnx.Rngs(0), **kw)
 
 
 @pytest.mark.parametrize("kw,grads", [
@@ -159,7 +160,8 @@ def test_decoder_with_every_option_prefill_decode_grad():
     cfg = get_config("tiny_mla", pattern="MK", scan_layers=False, mla_rope=True, rope_scaling="yarn", rope_factor=4.0,
                      rope_original_max_len=16, rope_attention_factor=1.1, mla_softmax_scale=0.3, norm_eps=1e-5,
                      mixer_norm_eps=1e-5, num_experts=4, top_k=2, moe_hidden=16, n_group=2, topk_group=1,
-                     first_dense_layers=0, allow_neg_eigval=True, kda_output_gate_bias=True, chunk_size=4)
+                     first_dense_layers=0, allow_neg_eigval=True, kda_output_gate_bias=True, chunk_size=4,
+                     memory_backend="xla")
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     assert model.groups[0].blocks[0].norm1.eps == 1e-5
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)

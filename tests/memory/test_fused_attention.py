@@ -77,7 +77,10 @@ def test_cudnn_takes_any_sequence_length(causal, T):
     up = lambda a: a.astype(jnp.float32)
     assert _rel(f(q, k, v), ref(up(q), up(k), up(v))) < 1.5e-2
     for g, w in zip(_grads(f, q, k, v, do), _grads(ref, up(q), up(k), up(v), up(do))):
-        assert _rel(g, w) < 1.5e-2
+        if T == 1 and not np.any(w):  # one key: the softmax is constant, dq = dk = 0 exactly
+            assert np.max(np.abs(np.asarray(g, np.float32))) < 1e-5
+        else:
+            assert _rel(g, w) < 1.5e-2
 
 
 def test_blockwise_keeps_no_full_score_matrix():
