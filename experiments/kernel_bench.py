@@ -236,9 +236,11 @@ def part_check(results, rules=RULES, chunk_size=None):
                 for backend in ("xla", "pallas"):
                     fn = rule_fn(rule, backend, chunk_size=chunk_size if backend == "pallas" else None,
                                  initial_state=S0, segment_ids=seg)
-                    # the reference runs on f32 copies of the same (rounded) inputs: f32 gradients
+                    # the reference runs on f32 copies of the same (rounded) inputs: f32 gradients, and
+                    # f32 products (on GPUs the default float32 matmul is TF32, ~1e-3 off)
                     a = tuple(t.astype(jnp.float32) for t in args) if backend == "xla" else args
-                    outs[backend] = jax_fwdbwd(fn)(*a, x["do"].astype(jnp.float32 if backend == "xla" else dtype))
+                    with jax.default_matmul_precision("highest" if backend == "xla" else None):
+                        outs[backend] = jax_fwdbwd(fn)(*a, x["do"].astype(jnp.float32 if backend == "xla" else dtype))
                 out[name] = compare(outs["pallas"], outs["xla"], tol)
                 log("check", name, out[name])
             except Exception as ex:  # noqa: BLE001

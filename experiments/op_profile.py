@@ -36,7 +36,8 @@ KINDS = (
     ("collective", re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all")),
     ("attention", re.compile(r"cudnn|fmha|flash_?att")),
     ("matmul", re.compile(r"gemm|cublas|nvjet|xmma|cutlass|sm\d\d_.*(mma|gmma)|\bdot\b")),
-    ("pallas", re.compile(r"triton|pallas|mosaic")),
+    # Pallas kernels on GPU carry their Python function's name: the delta-rule kernels' own (kernels/delta/kernels.py)
+    ("pallas", re.compile(r"triton|pallas|mosaic|^(intra_fwd|intra_bwd\w*|state_fwd\w*|state_bwd\w*|output)$")),
     ("memory", re.compile(r"memcpy|memset")),
     ("fusion", re.compile(r"fusion|transpose|copy|reduce|concatenate|slice|scatter|gather|convert|broadcast|pad")),
 )

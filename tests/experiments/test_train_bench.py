@@ -58,9 +58,10 @@ def test_op_profile_sums_device_streams_per_call_by_kind():
         M(2, 7, "thread_name", "Stream #13(Compute)"), M(2, 9, "thread_name", "XLA Ops"),
         X(2, 7, "nvjet_tst_128x64_64x4_1x2_h_bz_TNT", 600.0), X(2, 7, "cudnn_generated_fusion_12", 300.0),
         X(2, 7, "loop_multiply_fusion_3", 80.0), X(2, 7, "delta_state_fwd_triton", 20.0),
+        X(2, 7, "intra_bwd_scores", 40.0),  # a Pallas kernel named by its Python function
         X(2, 9, "fusion.12", 999.0), X(1, 0, "PjitFunction(step)", 5000.0)]}
     s = op_profile.summarize(trace, calls=2)
-    assert s["source"] == "device streams" and s["busy_ms_per_call"] == 0.5
+    assert s["source"] == "device streams" and s["busy_ms_per_call"] == 0.52
     assert {k: round(v["ms_per_call"], 3) for k, v in s["kinds"].items()} == {
-        "matmul": 0.3, "attention": 0.15, "fusion": 0.04, "pallas": 0.01}
+        "matmul": 0.3, "attention": 0.15, "fusion": 0.04, "pallas": 0.03}
     assert s["top"][0]["kind"] == "matmul" and s["top"][0]["launches_per_call"] == 0.5

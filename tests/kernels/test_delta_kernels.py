@@ -177,12 +177,79 @@ def test_four_tile_chunks_on_gpu_flavour(rule):
     check(rule, make_inputs(4, gates="bound"), True, 1e-4, target="gpu", chunk_size=64)
 
 
-@pytest.mark.parametrize("anchored", ["scores", "both"])
+@pytest.mark.parametrize("anchored", ["none", "both"])
 @pytest.mark.parametrize("gates", ["bound", "floor"])
 def test_bounded_anchored_backward_on_gpu_flavour(anchored, gates):
-    """The GPU launch knob ``anchored_bwd``: the split intra-chunk backward with anchored diagonal
-    tiles (scores kernel, or both kernels) gives the exact gradients, gates at the bound included."""
+    """The GPU launch knob ``anchored_bwd`` beside its default ("scores", tested above): the exact
+    loop in both backward kernels, or anchored diagonal tiles in both, give the same gradients,
+    gates at the bound included."""
     check("kda_bounded", make_inputs(1, gates=gates), True, 1e-4, target="gpu", tuning=(("anchored_bwd", anchored),))
+
+
+@pytest.mark.parametrize("bv", [16, 32])
+def test_value_blocks_narrower_than_the_value_dim(bv):
+    """The sequential state passes split V into ``bv``-wide blocks, one program each (GPU default
+    32): with V = 64 the blocks' forward, final state and every gradient equal the reference."""
+    r = np.random.default_rng(7)
+    Bs, Ts, Hs, Ks, Vs = 1, 40, 2, 16, 64
+    kk = r.normal(size=(Bs, Ts, Hs, Ks))
+    q, k = r.normal(size=(Bs, Ts, Hs, Ks)), kk / np.linalg.norm(kk, axis=-1, keepdims=True)
+    v, g = r.normal(size=(Bs, Ts, Hs, Vs)), -r.uniform(0, 1, (Bs, Ts, Hs, Ks))
+    beta, S0 = r.uniform(0.05, 1.0, (Bs, Ts, Hs)), 0.5 * r.normal(size=(Bs, Hs, Ks, Vs))
+    w_o, w_s = r.normal(size=(Bs, Ts, Hs, Vs)), r.normal(size=(Bs, Hs, Ks, Vs))
+    args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, S0)]
+
+    def loss(fn):
+        def f(q, k, v, g, beta, S0):
+            o, S = fn(q, k, v, g, beta, S0)
+            return jnp.sum(o * w_o) + jnp.sum(S * w_s), (o, S)
+        return jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))
+
+    kern = lambda q, k, v, g, beta, S0: kd.chunk_kda(q, k, v, g, beta, initial_state=S0, target="gpu",
+                                                     interpret=_interpret("gpu"), bv=bv)
+    ref = lambda q, k, v, g, beta, S0: kref.recurrent(q, k, v, beta, g, initial_state=S0)
+    (_, out1), g1 = loss(kern)(*args)
+    (_, out0), g0 = loss(ref)(*args)
+    for a, b in zip((*out1, *g1), (*out0, *g0)):
+        assert rel_err(a, b) <= 1e-4
+
+
+def _live_pallas_calls(jaxpr) -> int:
+    """Kernel launches left in a jaxpr after JAX's dead-code elimination, nested jaxprs included."""
+    from jax._src.interpreters import partial_eval as pe
+    jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+
+    def count(j):
+        n = 0
+        for e in j.eqns:
+            if e.primitive.name == "pallas_call":
+                n += 1
+                continue
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        n += count(inner)
+        return n
+    return count(jaxpr)
+
+
+@pytest.mark.parametrize("policy", ["names", "nothing"])
+def test_remat_runs_each_kernel_once_when_the_residuals_are_saved(policy):
+    """Under ``jax.checkpoint`` with the kernels' named residuals saved, the backward pass reruns
+    no forward kernel (3 forward + 3 backward launches); saving nothing reruns the 3 forward ones
+    (JAX keeps a bare ``pallas_call`` even when its outputs are unused: the launches are wrapped so
+    that an unused recomputation is dropped)."""
+    x = make_inputs(0)
+    q, k, v, g, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta"))
+    pol = {"names": jax.checkpoint_policies.save_only_these_names(kd.RESIDUALS),
+           "nothing": jax.checkpoint_policies.nothing_saveable}[policy]
+
+    def f(q):
+        o, _ = kd.chunk_kda(q, k, v, g, beta, target="gpu", interpret=True)
+        return jnp.sum(jnp.sin(o))
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(jax.checkpoint(f, policy=pol)))(q).jaxpr
+    assert _live_pallas_calls(jaxpr) == {"names": 6, "nothing": 9}[policy]
 
 
 def test_anchored_bwd_rejects_unknown_value():
