@@ -6,6 +6,8 @@ See :mod:`kernels.delta.api` for the public functions and the GPU/TPU choices,
 """
 
 from .api import (  # noqa: F401
+    MIN_GATE_BOUND,
+    RESIDUALS,
     chunk_delta_rule,
     chunk_gated_delta_rule,
     chunk_kda,

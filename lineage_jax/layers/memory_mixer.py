@@ -30,7 +30,8 @@ import numpy as np
 from flax import nnx
 
 from lineage_jax import memory
-from lineage_jax.memory.rules import check_backend
+from lineage_jax.memory.options import MemoryOptions
+from lineage_jax.memory.options import resolve as resolve_options
 from lineage_jax.memory.segments import document_index
 from lineage_jax.layers.common import Dense, RMSNorm, l2_normalize, normal, param
 
@@ -127,18 +128,20 @@ class MemoryMixer(nnx.Module):
         GDN, as in fla's GatedDeltaNet, sigmoid otherwise).
       chunk_size: chunk of the WY/UT training form (None: the backend's own, see
         :func:`lineage_jax.memory.delta_rule`).
-      backend: the delta rules' chunked form: "auto" (the Pallas kernels on GPU/TPU, XLA on the
-        CPU), "xla" or "pallas" (see :func:`lineage_jax.memory.delta_rule`). The bounded KDA gate
-        reaches the kernels as ``gate_lower_bound=-gate_bound``.
+      backend: the delta rules' chunked form: "auto" (the default: the Pallas kernels on GPU/TPU,
+        XLA on the CPU), "xla" or "pallas" (see :func:`lineage_jax.memory.delta_rule`).
+      options: a :class:`~lineage_jax.memory.MemoryOptions` instead of ``chunk_size`` / ``backend``
+        (not both; ``ModelConfig.memory_options`` builds the Decoder's). The bounded KDA gate adds
+        ``gate_lower_bound=-gate_bound`` to it (the gate's construction guarantees the bound).
     """
 
     def __init__(self, d_model: int, *, rule: str, num_heads: int, head_dim: int, v_head_dim: Optional[int] = None,
                  conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
                  output_norm: Optional[bool] = None, output_gate: Optional[str] = None,
                  gate_activation: Optional[str] = None, a_init: str = "default", chunk_size: Optional[int] = None,
-                 backend: str = "auto", norm_eps: float = 1e-6, silu_v: bool = False,
+                 backend: Optional[str] = None, norm_eps: float = 1e-6, silu_v: bool = False,
                  allow_neg_eigval: bool = False, output_gate_bias: bool = False, num_v_heads: Optional[int] = None,
-                 rngs: nnx.Rngs):
+                 options: Optional[MemoryOptions] = None, rngs: nnx.Rngs):
         if rule not in RULES:
             raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
@@ -146,7 +149,8 @@ class MemoryMixer(nnx.Module):
                 raise ValueError(f"MemoryMixer: `{name}` must be a positive int, got {val!r}")
         if conv_size < 0 or conv_size == 1:
             raise ValueError(f"MemoryMixer: `conv_size` must be 0 (none) or >= 2, got {conv_size}")
-        check_backend("MemoryMixer", backend)
+        options = resolve_options("MemoryMixer", options, default_backend="auto", backend=backend,
+                                  chunk_size=chunk_size)
         if a_init not in A_INITS:
             raise ValueError(f"MemoryMixer: `a_init` must be one of {A_INITS}, got {a_init!r}")
         if kda_gate not in KDA_GATES:
@@ -172,8 +176,11 @@ class MemoryMixer(nnx.Module):
             raise ValueError(f"MemoryMixer: `gate_rank` must be positive, got {rank}")
         self.rule, self.d_model, self.num_heads, self.head_dim, self.v_head_dim = rule, d_model, Hq, K, Vd
         self.num_v_heads = H
-        self.conv_size, self.kda_gate, self.gate_bound, self.chunk_size = conv_size, kda_gate, gate_bound, chunk_size
-        self.output_gate, self.gate_activation, self.backend = output_gate, gate_activation, backend
+        if rule == "kda" and kda_gate == "bounded":
+            options = options.replace(gate_lower_bound=-float(gate_bound))
+        self.options = options  # how the rule runs: backend, chunk, gate bound, precision (checked once)
+        self.conv_size, self.kda_gate, self.gate_bound = conv_size, kda_gate, gate_bound
+        self.output_gate, self.gate_activation = output_gate, gate_activation
         self.silu_v, self.beta_max = bool(silu_v), 2.0 if allow_neg_eigval else 1.0
         if output_gate_bias and output_gate == "none":
             raise ValueError("MemoryMixer: `output_gate_bias` needs an output gate (output_gate='none')")
@@ -263,17 +270,23 @@ class MemoryMixer(nnx.Module):
             o = o * act(gx.astype(jnp.float32)).astype(o.dtype)
         return jnp.einsum("...hv,hvd->...d", o.astype(x.dtype), self.o[...].astype(x.dtype))
 
+    @property
+    def chunk_size(self) -> Optional[int]:
+        return self.options.chunk_size
+
+    @property
+    def backend(self) -> str:
+        return self.options.backend
+
     def _rule(self, q, k, v, g, beta, state, segment_ids):
-        kw = dict(initial_state=state, segment_ids=segment_ids, chunk_size=self.chunk_size)
+        kw = dict(initial_state=state, segment_ids=segment_ids)
         if self.rule == "linear":
-            return memory.linear_attention(q, k, v, normalize=True, **kw)
-        kw["backend"] = self.backend  # the delta rules' chunked form: XLA or the Pallas kernels
+            return memory.linear_attention(q, k, v, normalize=True, chunk_size=self.options.chunk_size, **kw)
         if self.rule == "deltanet":
-            return memory.delta_rule(q, k, v, beta, **kw)
+            return memory.delta_rule(q, k, v, beta, options=self.options, **kw)
         if self.rule == "gdn":
-            return memory.gated_delta_rule(q, k, v, g, beta, **kw)
-        bound = -float(self.gate_bound) if self.kda_gate == "bounded" else None
-        return memory.kda(q, k, v, g, beta, gate_lower_bound=bound, **kw)
+            return memory.gated_delta_rule(q, k, v, g, beta, options=self.options, **kw)
+        return memory.kda(q, k, v, g, beta, options=self.options, **kw)
 
     # ------------------------------------------------------------------ public
     def __call__(self, x: Array, *, segment_ids: Optional[Array] = None) -> Array:

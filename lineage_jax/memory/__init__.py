@@ -9,6 +9,7 @@ Each rule has a scanned recurrence (``mode="recurrent"``), a chunked WY/UT
 parallel form (``mode="chunked"``) and a one-token decode step.
 """
 
+from lineage_jax.memory.options import MemoryOptions
 from lineage_jax.memory.rules import (
     delta_corrections,
     delta_rule,
@@ -36,6 +37,7 @@ from lineage_jax.memory.softmax import (
 __all__ = [
     "ATTENTION_IMPLS",
     "KVCache",
+    "MemoryOptions",
     "cache_read",
     "delta_corrections",
     "delta_rule",

@@ -26,7 +26,10 @@ import numpy as np
 
 from lineage_jax.memory import _validate as V
 from lineage_jax.memory import core
+from lineage_jax.memory.options import MemoryOptions
+from lineage_jax.memory.options import resolve as resolve_options
 from lineage_jax.memory.segments import segment_starts
+from lineage_jax.numerics import matmul_precision
 
 Array = jax.Array
 LinearState = Union[Array, tuple[Array, Array]]
@@ -68,77 +71,50 @@ def _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode
     return B, T, H, K, Vd
 
 
-BACKENDS = ("auto", "xla", "pallas")
 DELTA_RESIDUALS = "delta_rule_residuals"  # = kernels.delta.RESIDUALS (memory/ imports kernels/ lazily)
 XLA_CHUNK = 64  # the XLA chunked form's chunk when ``chunk_size`` is None
 
 
-def check_backend(fn: str, backend: str, arg: str = "backend") -> str:
-    """The one check of a delta-rule backend name (``ModelConfig``, the layer and the rules use it)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{fn}: `{arg}` must be one of {BACKENDS}, got {backend!r}")
-    return backend
-
-
-def _use_pallas(fn, backend, mode, chunk_size, dt) -> bool:
-    """Resolve ``backend``: "xla" (``core``), "pallas" (``kernels.delta``; on the CPU in
-    interpret mode) or "auto" (Pallas on GPU/TPU for the chunked float32 form, else XLA).
-
-    This is the one place that decides the backend of a delta-rule call."""
-    check_backend(fn, backend)
-    if backend == "xla":
-        return False
-    if backend == "auto":
-        return jax.default_backend() != "cpu" and mode == "chunked" and dt == jnp.float32
-    if mode != "chunked":
-        raise ValueError(f"{fn}: `backend='pallas'` runs the chunked form; got mode={mode!r}")
-    return True
-
-
-def _run_pallas(fn, q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, dt, chunk_size, gate_lower_bound):
+def _run_pallas(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, dt, opts: MemoryOptions):
     from lineage_jax._kernels import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda  # memory/ -> kernels/
-    from lineage_jax._kernels import check_chunk_size
 
     # chunk_size None: the kernels' own chunk for the target (tile-tuned); an explicit one is used.
-    if chunk_size is not None:
-        try:
-            check_chunk_size(chunk_size)
-        except ValueError as e:
-            raise ValueError(f"{fn}: {e} (or pass chunk_size=None for the kernels' own chunk)") from None
-    kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size)
+    kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids, chunk_size=opts.chunk_size)
     if gate == _GATE_NONE:
         o, S = chunk_delta_rule(q, k, v, beta, **kw)
     elif gate == _GATE_SCALAR:
         o, S = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
     else:
-        o, S = chunk_kda(q, k, v, g, beta, gate_lower_bound=gate_lower_bound, **kw)
+        o, S = chunk_kda(q, k, v, g, beta, gate_lower_bound=opts.gate_lower_bound, **kw)
     return o.astype(jnp.result_type(q, k, v)), S.astype(dt)
 
 
-def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids, mode, chunk_size, cast=True,
-         backend="xla", gate_lower_bound=None):
-    B, T, H, K, Vd = _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, chunk_size)
+def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids, mode, chunk_size=None, cast=True,
+         backend=None, gate_lower_bound=None, options=None):
+    opts = resolve_options(fn, options, backend=backend, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)
+    B, T, H, K, Vd = _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, None)
     if initial_state is not None:
         V.require_shape(fn, "initial_state", initial_state, (B, H, K, Vd), "[B,H,K,V]")
     scale = V.resolve_scale(fn, scale, K)
     dt = _compute_dtype(q, k, v, g, beta)
     out_dtype = jnp.result_type(q, k, v)
-    if erase and _use_pallas(fn, backend, mode, chunk_size, dt):
-        return _run_pallas(fn, q, k, v, g, beta, gate=gate, scale=scale, initial_state=initial_state,
-                           segment_ids=segment_ids, dt=dt, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)
-    x = core.RuleInputs(
-        q=q.astype(dt) * scale,
-        k=k.astype(dt),
-        v=v.astype(dt),
-        g=None if g is None else (g.astype(dt)[..., None] if gate == _GATE_SCALAR else g.astype(dt)),
-        beta=None if beta is None else beta.astype(dt),
-        reset=None if segment_ids is None else segment_starts(segment_ids),
-    )
-    S0 = jnp.zeros((B, H, K, Vd), dt) if initial_state is None else initial_state.astype(dt)
-    if mode == "recurrent":
-        o, S = core.recurrent(x, S0, erase=erase)
-    else:
-        o, S = core.chunked(x, S0, erase=erase, chunk_size=XLA_CHUNK if chunk_size is None else chunk_size)
+    if erase and opts.use_pallas(fn, mode, dt):
+        return _run_pallas(q, k, v, g, beta, gate=gate, scale=scale, initial_state=initial_state,
+                           segment_ids=segment_ids, dt=dt, opts=opts)
+    with matmul_precision(opts.precision):
+        x = core.RuleInputs(
+            q=q.astype(dt) * scale,
+            k=k.astype(dt),
+            v=v.astype(dt),
+            g=None if g is None else (g.astype(dt)[..., None] if gate == _GATE_SCALAR else g.astype(dt)),
+            beta=None if beta is None else beta.astype(dt),
+            reset=None if segment_ids is None else segment_starts(segment_ids),
+        )
+        S0 = jnp.zeros((B, H, K, Vd), dt) if initial_state is None else initial_state.astype(dt)
+        if mode == "recurrent":
+            o, S = core.recurrent(x, S0, erase=erase)
+        else:
+            o, S = core.chunked(x, S0, erase=erase, chunk_size=opts.chunk_size or XLA_CHUNK)
     return (o.astype(out_dtype) if cast else o), S
 
 
@@ -198,7 +174,8 @@ def delta_rule(
     segment_ids: Optional[Array] = None,
     mode: str = "chunked",
     chunk_size: Optional[int] = None,
-    backend: str = "xla",
+    backend: Optional[str] = None,
+    options: Optional[MemoryOptions] = None,
 ) -> tuple[Array, Array]:
     """DeltaNet: ``S_t = (I − β_t k_tᵀk_t) S_{t-1} + β_t k_tᵀ v_t``, ``o_t = q_t S_t``.
 
@@ -208,14 +185,17 @@ def delta_rule(
       chunk_size: tokens per chunk of the chunked form; ``None`` (default) is each backend's
         own (64 for XLA, the kernels' tile-tuned chunk for Pallas). An explicit size is used
         by either backend (the kernels need a power of two >= 16 and say so otherwise).
-      backend: ``"xla"`` (:mod:`.core`), ``"pallas"`` (the :mod:`kernels.delta` kernels,
-        chunked mode only, float32 arithmetic; interpret mode on the CPU) or ``"auto"``
+      backend: ``"xla"`` (the default: :mod:`.core`), ``"pallas"`` (the :mod:`kernels.delta`
+        kernels, chunked mode only, float32 arithmetic; interpret mode on the CPU) or ``"auto"``
         (Pallas on GPU/TPU for float32-compute chunked calls, else XLA).
+      options: a :class:`~lineage_jax.memory.MemoryOptions` (backend, chunk size, KDA's gate
+        bound, matmul precision) instead of ``backend`` / ``chunk_size`` (not both).
     Returns:
       ``(o [B, T, H, V], S [B, H, K, V])``.
     """
     return _run("delta_rule", q, k, v, None, beta, gate=_GATE_NONE, erase=True, scale=scale,
-                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend)
+                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend,
+                options=options)
 
 
 def gated_delta_rule(
@@ -230,7 +210,8 @@ def gated_delta_rule(
     segment_ids: Optional[Array] = None,
     mode: str = "chunked",
     chunk_size: Optional[int] = None,
-    backend: str = "xla",
+    backend: Optional[str] = None,
+    options: Optional[MemoryOptions] = None,
 ) -> tuple[Array, Array]:
     """Gated DeltaNet: ``S_t = α_t (I − β_t k_tᵀk_t) S_{t-1} + β_t k_tᵀ v_t``, ``α_t = exp(g_t)``.
 
@@ -239,7 +220,8 @@ def gated_delta_rule(
       Others as :func:`delta_rule`.
     """
     return _run("gated_delta_rule", q, k, v, g, beta, gate=_GATE_SCALAR, erase=True, scale=scale,
-                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend)
+                initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend,
+                options=options)
 
 
 def kda(
@@ -254,8 +236,9 @@ def kda(
     segment_ids: Optional[Array] = None,
     mode: str = "chunked",
     chunk_size: Optional[int] = None,
-    backend: str = "xla",
+    backend: Optional[str] = None,
     gate_lower_bound: Optional[float] = None,
+    options: Optional[MemoryOptions] = None,
 ) -> tuple[Array, Array]:
     """Kimi Delta Attention: ``S_t = (I − β_t k_tᵀk_t) Diag(α_t) S_{t-1} + β_t k_tᵀ v_t``.
 
@@ -271,7 +254,7 @@ def kda(
     """
     return _run("kda", q, k, v, g, beta, gate=_GATE_CHANNEL, erase=True, scale=scale,
                 initial_state=initial_state, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend,
-                gate_lower_bound=gate_lower_bound)
+                gate_lower_bound=gate_lower_bound, options=options)
 
 
 # ----------------------------------------------------------------------------

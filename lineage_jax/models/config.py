@@ -17,7 +17,7 @@ import numbers
 from typing import Any, Optional
 
 from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
-from lineage_jax.memory.rules import BACKENDS
+from lineage_jax.memory.options import MemoryOptions
 from lineage_jax.memory.softmax import READS
 from lineage_jax.numerics import MATMUL_PRECISIONS
 
@@ -118,7 +118,7 @@ class ModelConfig:
     gdn_output_gate: str = "silu"  # GDN's full output gate: "silu" (fla's GatedDeltaNet) | "sigmoid" | "none"
     # Chunked form of the delta rules (D, G, K) in training / prefill: "auto" (the kernels.delta Pallas
     # kernels on GPU/TPU, lineage_jax.memory's XLA chunked form on the CPU), "xla" or "pallas"
-    # (interpret mode on the CPU). Decided in one place: memory.rules._use_pallas.
+    # (interpret mode on the CPU). With chunk_size and matmul_precision it makes `memory_options`.
     memory_backend: str = "auto"
     # MLA (M).
     q_lora_rank: Optional[int] = None
@@ -165,6 +165,12 @@ class ModelConfig:
         from lineage_jax.layers.common import YaRN
         return YaRN(float(self.rope_factor), int(self.rope_original_max_len), float(self.rope_beta_fast),
                     float(self.rope_beta_slow), float(self.rope_attention_factor), bool(self.rope_truncate))
+
+    @property
+    def memory_options(self) -> MemoryOptions:
+        """How the delta rules run (``memory_backend``, ``chunk_size``, ``matmul_precision``), for
+        every fixed-state mixer; a bounded KDA gate adds its bound in the layer."""
+        return MemoryOptions(backend=self.memory_backend, chunk_size=self.chunk_size, precision=self.matmul_precision)
 
     @property
     def num_layers(self) -> int:
@@ -282,8 +288,15 @@ def validate(c: ModelConfig) -> None:
         _fail("conv_size", f"must be 0 (none) or >= 2, got {c.conv_size}")
     if c.kda_gate not in ("softplus", "bounded"):
         _fail("kda_gate", f"must be 'softplus' or 'bounded', got {c.kda_gate!r}")
-    if c.memory_backend not in BACKENDS:
-        _fail("memory_backend", f"must be one of {BACKENDS}, got {c.memory_backend!r}")
+    try:
+        c.memory_options
+    except ValueError as e:  # MemoryOptions names its own argument: name the config's field instead
+        msg = str(e).split(": ", 1)[1]
+        for arg, field in (("`backend`", "memory_backend"), ("`chunk_size`", "chunk_size"),
+                           ("`precision`", "matmul_precision")):
+            if msg.startswith(arg):
+                _fail(field, msg[len(arg):].strip())
+        raise
     if c.attention_impl not in ATTENTION_IMPLS:
         _fail("attention_impl", f"must be one of {ATTENTION_IMPLS}, got {c.attention_impl!r}")
     if c.matmul_precision not in MATMUL_PRECISIONS:

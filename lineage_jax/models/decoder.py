@@ -71,8 +71,8 @@ def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
                    softmax_scale=cfg.mla_softmax_scale)
     return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
                        conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
-                       gate_rank=cfg.kda_gate_rank, a_init=cfg.decay_a_init, chunk_size=cfg.chunk_size,
-                       backend=cfg.memory_backend, norm_eps=cfg.mixer_norm_eps, silu_v=cfg.silu_v,
+                       gate_rank=cfg.kda_gate_rank, a_init=cfg.decay_a_init, options=cfg.memory_options,
+                       norm_eps=cfg.mixer_norm_eps, silu_v=cfg.silu_v,
                        allow_neg_eigval=cfg.allow_neg_eigval and kind != "linear",
                        num_v_heads=None if kind == "linear" else cfg.num_v_heads, rngs=rngs, **_output_gate(cfg, kind))
 

@@ -224,7 +224,7 @@ def test_attention_decode_read_is_checked():
 
 def test_bounded_kda_gate_and_chunk_size_reach_the_kernel(monkeypatch):
     """The layer passes K3's bound (``gate_lower_bound = -gate_bound``) and its chunk size to the
-    Pallas kernel; a chunk the kernels cannot tile is refused naming ``chunk_size``."""
+    Pallas kernel; a chunk the kernels cannot tile is refused naming ``chunk_size`` when the layer is made."""
     import kernels.delta as kd
 
     seen = {}
@@ -242,9 +242,8 @@ def test_bounded_kda_gate_and_chunk_size_reach_the_kernel(monkeypatch):
                         rngs=nnx.Rngs(0))
         m(x)
         assert seen["gate_lower_bound"] == bound and seen["chunk_size"] == 16
-    m = MemoryMixer(32, rule="kda", num_heads=2, head_dim=16, chunk_size=24, backend="pallas", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="kda: `chunk_size` must be a power of two"):
-        m(x)
+    with pytest.raises(ValueError, match="MemoryMixer: `chunk_size` must be a power of two"):  # at construction
+        MemoryMixer(32, rule="kda", num_heads=2, head_dim=16, chunk_size=24, backend="pallas", rngs=nnx.Rngs(0))
 
 
 def test_memory_backend_defaults_to_auto():

@@ -29,7 +29,7 @@ def test_backend_errors():
     with pytest.raises(ValueError, match="backend"):
         M.delta_rule(q, k, v, beta, backend="cuda")
     with pytest.raises(ValueError, match="backend"):
-        M.gated_delta_rule(q, k, v, jnp.asarray(x["gs"]), beta, backend=None)
+        M.gated_delta_rule(q, k, v, jnp.asarray(x["gs"]), beta, backend="XLA")
     with pytest.raises(ValueError, match="backend"):
         M.kda(q, k, v, jnp.asarray(x["g"]), beta, backend="pallas", mode="recurrent")
 
@@ -37,3 +37,54 @@ def test_backend_errors():
 def test_residual_names_agree():
     """The remat policy names the kernels' residuals through lineage_jax.memory (no import cycle)."""
     assert RESIDUALS == DELTA_RESIDUALS
+
+
+def test_memory_options_are_checked_once_naming_the_argument():
+    with pytest.raises(ValueError, match="MemoryOptions: `backend`"):
+        M.MemoryOptions(backend="cuda")
+    with pytest.raises(ValueError, match="MemoryOptions: `chunk_size` must be a power of two"):
+        M.MemoryOptions(backend="pallas", chunk_size=24)  # the kernels' constraint, known up front
+    with pytest.raises(ValueError, match="`gate_lower_bound` must be a float in"):
+        M.MemoryOptions(gate_lower_bound=-9.0)
+    with pytest.raises(ValueError, match="`precision`"):
+        M.MemoryOptions(precision="fp32")
+    assert M.MemoryOptions(gate_lower_bound=-5).gate_lower_bound == -5.0
+    x = make_inputs(6)
+    q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
+    with pytest.raises(ValueError, match="kda: pass either `options` or `chunk_size`"):
+        M.kda(q, k, v, jnp.asarray(x["g"]), beta, options=M.MemoryOptions(), chunk_size=16)
+    with pytest.raises(ValueError, match="`options` must be a MemoryOptions"):
+        M.delta_rule(q, k, v, beta, options={"backend": "xla"})
+
+
+def test_options_give_what_the_arguments_give():
+    """``options=`` is the same call as the separate arguments, for each field it carries."""
+    x = make_inputs(7)
+    q, k, v, g, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta"))
+    for kw in (dict(backend="xla", chunk_size=16), dict(backend="pallas", chunk_size=16, gate_lower_bound=-5.0)):
+        g_ = jnp.maximum(g, -5.0)
+        o1, s1 = M.kda(q, k, v, g_, beta, **kw)
+        o2, s2 = M.kda(q, k, v, g_, beta, options=M.MemoryOptions(**kw))
+        np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+        np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+
+
+def test_model_config_options_reach_every_mixer():
+    """ModelConfig.memory_options is built once and is what each fixed-state mixer runs with; a
+    bounded KDA gate adds its bound; bad fields are named as the config's."""
+    from flax import nnx
+    from lineage_jax.models import Decoder, get_config
+    cfg = get_config("tiny_k3", memory_backend="xla", chunk_size=32)
+    assert cfg.memory_options == M.MemoryOptions(backend="xla", chunk_size=32, precision=cfg.matmul_precision)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    mixers = [m for _, m in nnx.iter_graph(model) if type(m).__name__ == "MemoryMixer"]
+    assert mixers
+    for m in mixers:
+        want = cfg.memory_options
+        if m.rule == "kda" and m.kda_gate == "bounded":
+            want = want.replace(gate_lower_bound=-float(m.gate_bound))
+        assert m.options == want
+    with pytest.raises(ValueError, match="ModelConfig.memory_backend"):
+        get_config("tiny_kda", memory_backend="triton")
+    with pytest.raises(ValueError, match="ModelConfig.chunk_size: must be a power of two"):
+        get_config("tiny_kda", memory_backend="pallas", chunk_size=8)
