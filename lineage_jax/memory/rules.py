@@ -75,6 +75,19 @@ DELTA_RESIDUALS = "delta_rule_residuals"  # = kernels.delta.RESIDUALS (memory/ i
 XLA_CHUNK = 64  # the XLA chunked form's chunk when ``chunk_size`` is None
 
 
+def _rule_inputs(q, k, v, g, beta, *, gate, scale, dt, reset=None) -> core.RuleInputs:
+    """The core's inputs in the compute dtype: ``q`` scaled, a per-head gate broadcast over keys
+    (sequences ``[B, T, H, D]`` and one-token steps ``[B, H, D]`` alike)."""
+    return core.RuleInputs(
+        q=q.astype(dt) * scale,
+        k=k.astype(dt),
+        v=v.astype(dt),
+        g=None if g is None else (g.astype(dt)[..., None] if gate == _GATE_SCALAR else g.astype(dt)),
+        beta=None if beta is None else beta.astype(dt),
+        reset=reset,
+    )
+
+
 def _run_pallas(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, dt, opts: MemoryOptions):
     from lineage_jax._kernels import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda  # memory/ -> kernels/
 
@@ -102,14 +115,8 @@ def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids
         return _run_pallas(q, k, v, g, beta, gate=gate, scale=scale, initial_state=initial_state,
                            segment_ids=segment_ids, dt=dt, opts=opts)
     with matmul_precision(opts.precision):
-        x = core.RuleInputs(
-            q=q.astype(dt) * scale,
-            k=k.astype(dt),
-            v=v.astype(dt),
-            g=None if g is None else (g.astype(dt)[..., None] if gate == _GATE_SCALAR else g.astype(dt)),
-            beta=None if beta is None else beta.astype(dt),
-            reset=None if segment_ids is None else segment_starts(segment_ids),
-        )
+        x = _rule_inputs(q, k, v, g, beta, gate=gate, scale=scale, dt=dt,
+                         reset=None if segment_ids is None else segment_starts(segment_ids))
         S0 = jnp.zeros((B, H, K, Vd), dt) if initial_state is None else initial_state.astype(dt)
         if mode == "recurrent":
             o, S = core.recurrent(x, S0, erase=erase)
@@ -281,13 +288,7 @@ def _step(fn, q_t, k_t, v_t, g_t, beta_t, state, *, gate, erase, scale, cast=Tru
         state = jnp.zeros((B, H, K, Vd), dt)
     V.require_shape(fn, "state", state, (B, H, K, Vd), "[B,H,K,V]")
     scale = V.resolve_scale(fn, scale, K)
-    x = core.RuleInputs(
-        q=q_t.astype(dt) * scale,
-        k=k_t.astype(dt),
-        v=v_t.astype(dt),
-        g=None if g_t is None else (g_t.astype(dt)[..., None] if gate == _GATE_SCALAR else g_t.astype(dt)),
-        beta=None if beta_t is None else beta_t.astype(dt),
-    )
+    x = _rule_inputs(q_t, k_t, v_t, g_t, beta_t, gate=gate, scale=scale, dt=dt)
     o, S = core.step(state.astype(dt), x, erase=erase)
     return (o.astype(jnp.result_type(q_t, k_t, v_t)) if cast else o), S
 
