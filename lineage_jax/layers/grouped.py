@@ -21,8 +21,19 @@ contiguous row groups, group ``g`` multiplied by ``w[g] [K, N]``; rows at index
   ``x_tile^T dy_tile`` partials scatter-added into a float32 ``[G, K, N]`` accumulator
   (so no per-step ``[G, K, N]`` cotangent buffers, and float32 sums). Forward-mode
   (``jax.jvp``) is therefore not supported on this path.
+* ``"pallas"``: the same padded tile layout, multiplied by Pallas kernels
+  (:mod:`lineage_jax.layers.grouped_pallas`; the Triton lowering on GPUs, the Pallas
+  interpreter on the CPU): one kernel computes every ``[tile, N-block]`` output block
+  against its tile's own expert weight (the group id read inside the kernel, the weight
+  indexed dynamically), looping over ``K`` blocks with float32 accumulation, so no
+  gathered weights are materialized. Its ``jax.custom_vjp`` gets ``dx`` from the same
+  kernel contracting against ``w[g]^T`` and ``dw[g]`` from a kernel that sums
+  ``x_tile^T dy_tile`` over group ``g``'s tiles (float32; empty groups give zero).
+  ``tile`` must be a power of two ``>= 16`` here; ``K`` and ``N`` need not be multiples
+  of the kernel blocks (they are zero-padded). Reverse mode only, like ``"tiled"``.
 * ``"auto"``: ``"ragged_dot"`` on TPU, or when the dense expansion is small (see
-  :data:`DENSE_EXPANSION_LIMIT_BYTES`); ``"tiled"`` otherwise.
+  :data:`DENSE_EXPANSION_LIMIT_BYTES`); ``"tiled"`` otherwise (``"pallas"`` on GPUs
+  instead when :data:`AUTO_PALLAS_ON_GPU` is set).
 
 :func:`grouped_glu_mlp` is the routed experts' gated MLP on top of it, shared by
 ``MoE._experts_ragged`` and the expert-parallel ``_local_experts``.
@@ -44,7 +55,7 @@ from lineage_jax.memory._validate import is_concrete
 
 Array = jax.Array
 
-GROUPED_MATMUL_IMPLS = ("auto", "ragged_dot", "tiled")
+GROUPED_MATMUL_IMPLS = ("auto", "ragged_dot", "tiled", "pallas")
 
 # "auto" keeps jax.lax.ragged_dot while its dense [G, M, N] expansion on GPU/CPU stays at
 # most this many bytes: small models then run exactly as before (one fused dot, no scan),
@@ -58,12 +69,19 @@ DENSE_EXPANSION_LIMIT_BYTES = 256 * 2**20
 # at K = N = 1024) while the live weight copies stay small next to the model.
 TILED_BLOCK_BYTES = 64 * 2**20
 
+# Whether "auto" picks the Pallas kernels ("pallas") instead of "tiled" on GPUs when the
+# dense expansion is over DENSE_EXPANSION_LIMIT_BYTES. Off until the kernels are measured
+# against "tiled" on a GPU; "auto" on the CPU and TPU does not depend on it.
+AUTO_PALLAS_ON_GPU = False
+
 
 def _check(x, w, group_sizes, impl, tile) -> None:
     if impl not in GROUPED_MATMUL_IMPLS:
         raise ValueError(f"grouped_matmul: `impl` must be one of {GROUPED_MATMUL_IMPLS}, got {impl!r}")
     if isinstance(tile, bool) or not isinstance(tile, numbers.Integral) or tile <= 0:
         raise ValueError(f"grouped_matmul: `tile` must be a positive int, got {tile!r}")
+    if impl == "pallas" and (tile < 16 or tile & (tile - 1)):
+        raise ValueError(f"grouped_matmul: `tile` must be a power of two >= 16 for impl='pallas', got {tile!r}")
     if jnp.ndim(x) != 2:
         raise ValueError(f"grouped_matmul: `x` must be 2-D [M, K], got shape {jnp.shape(x)}")
     if jnp.ndim(w) != 3:
@@ -93,7 +111,9 @@ def resolve_impl(impl: str, m: int, n: int, g: int, out_dtype) -> str:
     if jax.default_backend() == "tpu":
         return "ragged_dot"
     dense_bytes = g * m * n * np.dtype(out_dtype).itemsize
-    return "ragged_dot" if dense_bytes <= DENSE_EXPANSION_LIMIT_BYTES else "tiled"
+    if dense_bytes <= DENSE_EXPANSION_LIMIT_BYTES:
+        return "ragged_dot"
+    return "pallas" if AUTO_PALLAS_ON_GPU and jax.default_backend() == "gpu" else "tiled"
 
 
 class _Layout(NamedTuple):
@@ -230,14 +250,16 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, impl: str = "auto"
       w: ``[G, K, N]`` one matrix per group.
       group_sizes: ``[G]`` integer rows per group; rows at index ``>= sum(group_sizes)``
         give zero.
-      impl: ``"auto"``, ``"ragged_dot"`` or ``"tiled"`` (module docstring).
-      tile: rows per tile of the ``"tiled"`` path (groups are padded to multiples of it).
+      impl: ``"auto"``, ``"ragged_dot"``, ``"tiled"`` or ``"pallas"`` (module docstring).
+      tile: rows per tile of the ``"tiled"`` and ``"pallas"`` paths (groups are padded to
+        multiples of it; ``"pallas"``: a power of two ``>= 16``).
 
     Returns:
       ``[M, N]`` in ``ragged_dot``'s output dtype for these inputs (float32 accumulation).
 
     Raises:
-      ValueError: unknown ``impl``, ``tile`` not a positive int, or mismatched shapes.
+      ValueError: unknown ``impl``, ``tile`` not a positive int (``"pallas"``: not a power
+        of two ``>= 16``), or mismatched shapes.
     """
     x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
     _check(x, w, group_sizes, impl, tile)
@@ -247,6 +269,10 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, impl: str = "auto"
         return lax.ragged_dot(x, w, group_sizes)
     if x.shape[0] == 0 or w.shape[0] == 0:                       # no rows or no groups: all zero
         return jnp.zeros((x.shape[0], w.shape[2]), out_dtype)
+    if impl == "pallas":
+        from lineage_jax.layers.grouped_pallas import gmm  # imports this module
+
+        return gmm(*_common_variance(x, w, group_sizes), tile=int(tile), out_dtype=out_dtype)
     return _tiled(*_common_variance(x, w, group_sizes), int(tile), out_dtype)
 
 

@@ -16,6 +16,7 @@ import math
 import numbers
 from typing import Any, Optional
 
+from lineage_jax.layers.grouped import GROUPED_MATMUL_IMPLS
 from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
 from lineage_jax.memory.options import MemoryOptions
 from lineage_jax.memory.softmax import READS
@@ -52,7 +53,7 @@ class ModelConfig:
       dense layers; with ``num_experts > 0`` every layer from ``first_dense_layers`` on is a
       MoE: ``top_k``, ``moe_hidden``, ``num_shared_experts``, ``shared_hidden``,
       ``moe_latent_dim`` (latent MoE), ``moe_activation``, ``routed_scaling_factor``,
-      ``moe_dispatch``, ``capacity_factor``.
+      ``moe_dispatch``, ``moe_matmul_impl``, ``capacity_factor``.
     * **Residual** — ``attnres_block`` (0: plain sum; ``n``: block Attention Residuals over
       blocks of ``n`` layers).
     * **Execution** — how the same model runs, not what it computes: ``decode_read``,
@@ -98,6 +99,9 @@ class ModelConfig:
     moe_activation: str = "swiglu"
     routed_scaling_factor: float = 1.0
     moe_dispatch: str = "ragged"  # "ragged" (dropless) | "capacity"
+    # The dropless experts' grouped matmuls (layers.grouped.grouped_matmul's `impl`): "auto" |
+    # "ragged_dot" | "tiled" | "pallas".
+    moe_matmul_impl: str = "auto"
     capacity_factor: float = 1.25
     n_group: int = 1  # group-limited routing: experts in n_group groups, each token picks from its
     topk_group: int = 1  # topk_group best groups (DeepSeek-V3: 8 and 4); 1, 1: plain top-k
@@ -274,6 +278,8 @@ def validate(c: ModelConfig) -> None:
             _fail("moe_activation", f"must be 'swiglu' or 'situ', got {c.moe_activation!r}")
         if c.moe_dispatch not in ("ragged", "capacity"):
             _fail("moe_dispatch", f"must be 'ragged' or 'capacity', got {c.moe_dispatch!r}")
+        if c.moe_matmul_impl not in GROUPED_MATMUL_IMPLS:
+            _fail("moe_matmul_impl", f"must be one of {GROUPED_MATMUL_IMPLS}, got {c.moe_matmul_impl!r}")
         if not c.capacity_factor > 0:
             _fail("capacity_factor", f"must be > 0, got {c.capacity_factor}")
         positive("n_group")

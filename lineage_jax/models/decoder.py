@@ -97,6 +97,7 @@ def make_ffn(cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
                shared_hidden=cfg.shared_hidden if cfg.num_shared_experts else None,
                activation=cfg.moe_activation, routed_scaling_factor=cfg.routed_scaling_factor,
                latent_dim=cfg.moe_latent_dim, dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor,
+               matmul_impl=cfg.moe_matmul_impl,
                n_group=cfg.n_group, topk_group=cfg.topk_group, rngs=rngs)
 
 

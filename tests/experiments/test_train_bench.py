@@ -1,10 +1,10 @@
-"""Smoke runs of the training and attention benchmarks (tiny sizes on the CPU)."""
+"""Smoke runs of the training, attention and grouped-matmul benchmarks (tiny sizes on the CPU)."""
 
 import json
 
 import pytest
 
-from experiments import attention_bench, train_bench
+from experiments import attention_bench, gmm_bench, train_bench
 
 
 def test_train_bench_quick_runs_and_compares_to_the_reference(tmp_path):
@@ -45,6 +45,16 @@ def test_attention_bench_quick_checks_against_the_reference(tmp_path):
     assert {r["segments"] for r in rec["results"]} == {False, True}
     assert all(r["fwd_bwd_ms"] > 0 for r in rec["results"])
     assert all(c[n] < 2e-2 for c in rec["checks"] for n in ("o", "dq", "dk", "dv"))
+
+
+def test_gmm_bench_quick_times_every_impl_beside_a_dense_matmul(tmp_path):
+    rec = gmm_bench.run(quick=True, out=str(tmp_path))
+    assert [r["impl"] for r in rec["results"]] == ["dense", *gmm_bench.IMPLS]
+    assert all(r["fwd_bwd_ms"] > 0 and r["vs_dense"] > 0 for r in rec["results"])
+    assert {c["impl"] for c in rec["checks"]} == set(gmm_bench.IMPLS)
+    assert all(c[n] < 1e-5 for c in rec["checks"] for n in ("y", "dx", "dw"))
+    with pytest.raises(ValueError, match="--shapes"):
+        gmm_bench.run(out=str(tmp_path), shapes="16x2x4")
 
 
 def test_op_profile_sums_device_streams_per_call_by_kind():

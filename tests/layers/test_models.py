@@ -12,9 +12,25 @@ from tests._numerics import tolerance
 
 TINY = [n for n in config_names() if n.startswith("tiny_")]
 
+# One token shape, prefill split and cache length for every test that runs a whole tiny model
+# through forward / prefill / decode: the jitted calls below then compile once per model per
+# worker, and the tiny_k3 tests (the slowest to compile) share one xdist worker.
+BATCH, LENGTH, SPLIT, MAX_LEN = 2, 10, 6, 12
+K3_GROUP = pytest.mark.xdist_group("tiny_k3")
+
+
+def _named(names):
+    """Parametrize values for config names; tiny_k3 joins the shared-compilation group."""
+    return [pytest.param(n, marks=K3_GROUP) if n == "tiny_k3" else n for n in names]
+
+
+def _tokens(cfg, seed):
+    return jax.random.randint(jax.random.key(seed), (BATCH, LENGTH), 0, cfg.vocab_size)
+
 call = nnx.jit(lambda m, t: m(t))
 prefill = nnx.jit(lambda m, t, c: m.prefill(t, c))
 decode = nnx.jit(lambda m, t, c: m.decode(t, c))
+forward = nnx.jit(lambda m, t: m.forward(t))  # logits and the auxiliary outputs (MoE statistics)
 
 
 def _runs_kernels(cfg) -> bool:
@@ -39,36 +55,38 @@ def check_decode_after_prefill(model, tokens, split: int, max_len: int, tol: flo
     return cache
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", _named(TINY))
 def test_decode_after_prefill_equals_full_forward(name):
     cfg = get_config(name)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+    tokens = _tokens(cfg, 1)
     logits = call(model, tokens)
-    assert logits.shape == (2, 12, cfg.vocab_size) and np.all(np.isfinite(logits))
-    cache = check_decode_after_prefill(model, tokens, 7, 16, tolerance(1e-5, kernels=_runs_kernels(cfg)), logits)
-    assert np.all(np.asarray(cache.length) == 12)
+    assert logits.shape == (BATCH, LENGTH, cfg.vocab_size) and np.all(np.isfinite(logits))
+    cache = check_decode_after_prefill(model, tokens, SPLIT, MAX_LEN, tolerance(1e-5, kernels=_runs_kernels(cfg)),
+                                       logits)
+    assert np.all(np.asarray(cache.length) == LENGTH)
 
 
-@pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_k3"])
+@pytest.mark.parametrize("name", _named(["tiny_gpt2", "tiny_k3"]))
 def test_inference_steps_equal_the_module_and_donate_the_cache(name):
     """The split-once jitted steps (generate, the decode timers) compute what the module does,
     and donate the cache (its buffers are aliased to the returned cache)."""
     cfg = get_config(name)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(2), (2, 10), 0, cfg.vocab_size)
+    tokens = _tokens(cfg, 2)
     logits = call(model, tokens)
     state, pre, dec = inference_steps(model)
-    cache = model.init_cache(2, 12)
+    cache = model.init_cache(BATCH, MAX_LEN)
     assert "tf.aliasing_output" in dec.lower(state, tokens[:, 0], cache).as_text()
-    lp, cache = pre(state, tokens[:, :6], cache)
+    lp, cache = pre(state, tokens[:, :SPLIT], cache)
     tol = tolerance(1e-5, kernels=_runs_kernels(cfg))
-    assert rel(lp, logits[:, :6]) <= tol
-    for t in range(6, 10):
+    assert rel(lp, logits[:, :SPLIT]) <= tol
+    for t in range(SPLIT, LENGTH):
         lt, cache = dec(state, tokens[:, t], cache)
         assert rel(lt, logits[:, t]) <= tol, (name, t)
 
 
+@K3_GROUP
 def test_tiny_k3_scans_macrocycles_and_matches_unrolled():
     cfg = get_config("tiny_k3")
     groups = layer_groups(cfg)
@@ -88,11 +106,11 @@ def test_tiny_k3_scans_macrocycles_and_matches_unrolled():
                 nnx.update(target, src["blocks"][j])
     for name in ("embed", "head"):
         getattr(unrolled, name)[...] = getattr(scanned, name)[...]
-    tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, cfg.vocab_size)
+    tokens = _tokens(cfg, 2)
     assert rel(call(unrolled, tokens), call(scanned, tokens)) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_k3"])  # K3: unstacked groups, a 4-layer period, MoE, AttnRes
+@pytest.mark.parametrize("name", _named(["tiny_gpt2", "tiny_k3"]))  # K3: unstacked groups, a 4-layer period, MoE, AttnRes
 def test_unscanned_is_the_same_model_layer_by_layer(name):
     """``Decoder.unscanned()``: every layer its own group, its parameters the scanned group's
     slices (checked against a layer-by-layer copy), the same logits in forward, prefill and
@@ -117,13 +135,13 @@ def test_unscanned_is_the_same_model_layer_by_layer(name):
                 axes = [v.get_metadata().get("logical_axes") for _, v in nnx.iter_graph(flat.groups[first + r * p + j])
                         if isinstance(v, nnx.Variable)]
                 assert all(a is None or "layers" not in a for a in axes)  # no stacked axis left
-    tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, cfg.vocab_size)
+    tokens = _tokens(cfg, 3)
     tol = tolerance(1e-5, kernels=_runs_kernels(cfg))  # two compilations of the same math
     assert rel(call(flat, tokens), call(scanned, tokens)) <= tol
-    caches = [m.init_cache(2, 12) for m in (scanned, flat)]
+    caches = [m.init_cache(BATCH, MAX_LEN) for m in (scanned, flat)]
     for m_i, m in enumerate((scanned, flat)):
-        _, caches[m_i] = prefill(m, tokens[:, :6], caches[m_i])
-    for t in range(6, 10):
+        _, caches[m_i] = prefill(m, tokens[:, :SPLIT], caches[m_i])
+    for t in range(SPLIT, LENGTH):
         ls, caches[0] = decode(scanned, tokens[:, t], caches[0])
         lf, caches[1] = decode(flat, tokens[:, t], caches[1])
         assert rel(lf, ls) <= tol, (name, t)
@@ -310,7 +328,7 @@ def test_attnres_first_read_is_the_embedding():
 @pytest.mark.parametrize("field,value", [
     ("pattern", "KKX"), ("pattern", ""), ("top_k", 9), ("num_heads", 5), ("attnres_block", 99),
     ("first_dense_layers", 50), ("num_kv_heads", 3), ("kda_gate", "tanh"), ("gdn_output_gate", "relu"),
-    ("moe_dispatch", "dense"),
+    ("moe_dispatch", "dense"), ("moe_matmul_impl", "cublas"),
     ("chunk_size", 0), ("scan_period", 0), ("kv_lora_rank", 0), ("memory_backend", "triton"),
     ("positions", "alibi"), ("rope_theta", 0.0), ("rope_theta", "1e4"), ("rope_theta", float("inf")),
     ("decay_a_init", "slow"), ("decode_read", "einsum"),
@@ -385,12 +403,12 @@ def test_bad_tokens():
         model(jnp.zeros((2, 3), jnp.float32))
 
 
+@K3_GROUP
 @pytest.mark.parametrize("rule", ["sign", "quantile"])
 def test_router_bias_updates_reach_every_moe_layer(rule):
     cfg = get_config("tiny_k3")
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, cfg.vocab_size)
-    _, aux = nnx.jit(lambda m, t: m.forward(t))(model, tokens)
+    _, aux = forward(model, _tokens(cfg, 5))
     before = [np.asarray(moe.router_bias[...]).copy() for _, _, moe in model.moe_layers()]
     model.update_router_biases(aux, rule=rule, rate=0.1)
     after = [np.asarray(moe.router_bias[...]) for _, _, moe in model.moe_layers()]

@@ -1,0 +1,174 @@
+"""Tests of the Pallas grouped matmul (``grouped_matmul(impl="pallas")``, run by the Pallas
+interpreter on the CPU) against ``jax.lax.ragged_dot``: values and gradients for several
+group-size patterns and block sizes, dtypes, zero rows past the groups, zero weight
+gradients of empty groups, the "auto" switch, argument errors, and the lowering of every
+kernel to Triton IR for a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lineage_jax.layers import grouped as GR
+from lineage_jax.layers import grouped_pallas as GP
+from tests._numerics import fp32_matmuls, rel_err  # noqa: F401 (fp32_matmuls: fixture)
+
+
+pytestmark = pytest.mark.usefixtures("fp32_matmuls")
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+# (M, K, N, group_sizes, block): block 16 calls GP.gmm with block_k = block_n = 16 (several
+# K blocks in the loop, several column blocks); None goes through grouped_matmul (blocks
+# shrunk from 128 to the next power of two of K / N). tile = 16 throughout.
+CASES = [
+    pytest.param(40, 24, 20, [7, 0, 21, 5], 16, id="empty-group-long-group-zero-tail"),
+    pytest.param(96, 48, 40, [0, 50, 0, 30, 16], 16, id="several-tiles-per-group"),
+    pytest.param(30, 20, 36, [20, 20], 16, id="sizes-sum-past-M"),
+    pytest.param(45, 40, 33, [3, 9, 13, 11, 2], None, id="grouped-matmul-odd-shapes"),
+    pytest.param(64, 32, 32, [16, 0, 48], None, id="grouped-matmul-multiples"),
+]
+
+
+def make_inputs(seed, m, k, n, sizes, dtype):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    w = jnp.asarray(rng.normal(size=(len(sizes), k, n)) / np.sqrt(k), dtype)
+    c = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
+    return x, w, jnp.asarray(sizes, jnp.int32), c
+
+
+def pallas_fn(block):
+    if block is None:
+        return lambda x, w, gs: GR.grouped_matmul(x, w, gs, impl="pallas", tile=16)
+    return lambda x, w, gs: GP.gmm(x, w, gs, tile=16, block_k=block, block_n=block)
+
+
+def value_and_grads(f, x, w, gs, c):
+    loss = lambda x, w: jnp.sum(f(x, w, gs).astype(jnp.float32) * c)
+    return (f(x, w, gs),) + jax.grad(loss, argnums=(0, 1))(x, w)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("m,k,n,sizes,block", CASES)
+def test_pallas_matches_ragged_dot(m, k, n, sizes, block, dtype):
+    """Forward values and the gradients of a random linear functional w.r.t. x and w, under
+    jit, against ragged_dot on fresh random inputs; rows past the groups and the weight
+    gradients of empty groups are exactly zero."""
+    x, w, gs, c = make_inputs(7919 * m + 31 * k + n, m, k, n, sizes, dtype)
+    run = jax.jit(lambda x, w, gs, c: (value_and_grads(pallas_fn(block), x, w, gs, c),
+                                       value_and_grads(jax.lax.ragged_dot, x, w, gs, c)))
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = run(x, w, gs, c)
+    assert y.dtype == y_ref.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert y.shape == (m, n) and dx.shape == x.shape and dw.shape == w.shape
+    for name, got, want in (("y", y, y_ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref)):
+        assert rel_err(got, want) < TOL[dtype], name
+    used = min(sum(sizes), m)
+    np.testing.assert_array_equal(np.asarray(y[used:], np.float32), 0)
+    np.testing.assert_array_equal(np.asarray(dx[used:], np.float32), 0)
+    for g, size in enumerate(sizes):
+        if size == 0:
+            np.testing.assert_array_equal(np.asarray(dw[g], np.float32), 0)
+
+
+def test_new_group_sizes_same_compiled_function():
+    """group_sizes are traced: one compiled function serves different groupings, including
+    all rows in one group and no rows in any group."""
+    x, w, _, _ = make_inputs(3, 48, 24, 20, [0, 0, 0], jnp.float32)
+    f = jax.jit(lambda x, w, gs: GP.gmm(x, w, gs, tile=16, block_k=16, block_n=16))
+    for sizes in ([10, 0, 25], [0, 48, 0], [0, 0, 0], [1, 1, 1]):
+        gs = jnp.asarray(sizes, jnp.int32)
+        assert rel_err(f(x, w, gs), jax.lax.ragged_dot(x, w, gs)) < 1e-5, sizes
+
+
+def test_all_groups_empty_gives_zero_gradients():
+    x, w, gs, c = make_inputs(5, 32, 20, 24, [0, 0], jnp.float32)
+    y, dx, dw = jax.jit(lambda x, w, gs, c: value_and_grads(pallas_fn(16), x, w, gs, c))(x, w, gs, c)
+    for a in (y, dx, dw):
+        np.testing.assert_array_equal(np.asarray(a), 0)
+
+
+def test_mixed_dtypes_follow_ragged_dot():
+    x, w, gs, c = make_inputs(6, 40, 24, 20, [12, 0, 20], jnp.float32)
+    wb = w.astype(jnp.bfloat16)
+    got, want = jax.jit(lambda x, w, gs, c: (value_and_grads(pallas_fn(16), x, w, gs, c),
+                                            value_and_grads(jax.lax.ragged_dot, x, w, gs, c)))(x, wb, gs, c)
+    assert [a.dtype for a in got] == [a.dtype for a in want]
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < TOL[jnp.bfloat16]
+
+
+def test_block_sizes():
+    assert GP.block_sizes(40, 20, 16, 16) == (16, 16)
+    assert GP.block_sizes(40, 20) == (64, 32)                     # shrunk to the next power of two
+    assert GP.block_sizes(1, 3) == (16, 16)                       # never below a Triton dot's 16
+    assert GP.block_sizes(1024, 768) == (128, 128)
+    assert GP.block_sizes(300, 100, 64, 128) == (64, 128)
+
+
+def test_auto_switch(monkeypatch):
+    """"auto" picks "pallas" only on a GPU with AUTO_PALLAS_ON_GPU set, where it would pick
+    "tiled" (dense expansion above the limit); the CPU choice does not change."""
+    if jax.default_backend() == "tpu":
+        pytest.skip("TPU keeps ragged_dot")
+    limit = GR.DENSE_EXPANSION_LIMIT_BYTES
+    g, n = 8, 64
+    m = limit // (g * n * 2)                                       # exactly at the limit in bf16
+    assert GR.AUTO_PALLAS_ON_GPU is False
+    assert "pallas" in GR.GROUPED_MATMUL_IMPLS
+    assert GR.resolve_impl("pallas", 8, 8, 2, jnp.float32) == "pallas"
+    assert GR.resolve_impl("auto", m + 1, n, g, jnp.bfloat16) == "tiled"
+    monkeypatch.setattr(GR, "AUTO_PALLAS_ON_GPU", True)
+    if jax.default_backend() == "cpu":
+        assert GR.resolve_impl("auto", m + 1, n, g, jnp.bfloat16) == "tiled"
+    monkeypatch.setattr(GR.jax, "default_backend", lambda: "gpu")
+    assert GR.resolve_impl("auto", m, n, g, jnp.bfloat16) == "ragged_dot"
+    assert GR.resolve_impl("auto", m + 1, n, g, jnp.bfloat16) == "pallas"
+    monkeypatch.setattr(GR, "AUTO_PALLAS_ON_GPU", False)
+    assert GR.resolve_impl("auto", m + 1, n, g, jnp.bfloat16) == "tiled"
+
+
+def test_bad_arguments():
+    x, w, gs, _ = make_inputs(8, 32, 16, 16, [16, 16], jnp.float32)
+    with pytest.raises(ValueError, match=r"`impl`.*auto.*ragged_dot.*tiled.*pallas"):
+        GR.grouped_matmul(x, w, gs, impl="gmm")
+    for bad in (8, 24, 0):
+        with pytest.raises(ValueError, match="`tile`"):
+            GR.grouped_matmul(x, w, gs, impl="pallas", tile=bad)
+    with pytest.raises(ValueError, match="`tile`"):
+        GP.gmm(x, w, gs, tile=48)
+    with pytest.raises(ValueError, match="`block_k`"):
+        GP.gmm(x, w, gs, tile=16, block_k=8)
+    with pytest.raises(ValueError, match="`block_n`"):
+        GP.gmm(x, w, gs, tile=16, block_n=96)
+
+
+def test_interpreter_inside_shard_map_with_varying_operands_raises():
+    x, w, gs, _ = make_inputs(9, 32, 16, 16, [16, 16], jnp.float32)
+    mesh = jax.make_mesh((1,), ("e",))
+    f = jax.shard_map(lambda x, w, gs: GP.gmm(x, w, gs, tile=16, interpret=True), mesh=mesh,
+                      in_specs=(P("e"), P(), P()), out_specs=P("e"))
+    with pytest.raises(NotImplementedError, match="`interpret`"):
+        f(jax.device_put(x, NamedSharding(mesh, P("e"))), w, gs)
+
+
+def test_kernels_lower_to_triton():
+    """The compiled (non-interpreted) forward and both backward kernels lower to Triton IR
+    for a CUDA target, at default blocks with K, N not multiples of 128 (export only; no GPU
+    needed)."""
+    sd = jax.ShapeDtypeStruct
+    args = (sd((300, 200), jnp.bfloat16), sd((3, 200, 136), jnp.bfloat16), sd((3,), jnp.int32))
+
+    def f(x, w, gs):
+        loss = lambda x, w: jnp.sum(GP.gmm(x, w, gs, tile=64, interpret=False).astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    try:
+        exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    except (ImportError, ModuleNotFoundError) as e:  # pragma: no cover
+        pytest.skip(f"no Pallas Triton lowering in this jaxlib: {e}")
+    text = exported.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 3, "one custom call per kernel"
