@@ -41,13 +41,18 @@ def test_scorecard_structure(tmp_path):
     assert gpt["memory_per_layer_1m"] > 500 * gpt["memory_per_layer_1k"]  # the cache grows with context
     assert kda["memory_per_layer_1m"] == kda["memory_per_layer_1k"]  # the state does not
 
-    # A second call with another architecture, joined to the first by --merge.
-    # (and a diagnostic row, run only when named: it sorts after the card's rows)
-    S.run(quick=True, out=str(tmp_path / "b"), steps=3, only=["gpt2_nope", "linear"])
-    merged = S.run(out=str(tmp_path / "m"), merge=[str(tmp_path), str(tmp_path / "b" / "scorecard" / "scorecard.json")])
+    # A second call with another architecture, joined to the first by --merge; and a record holding
+    # a diagnostic row (its architecture renamed from the second call's row): it sorts after the
+    # card's rows. (Running a diagnostic row when named is test_decode_only_times_...'s gdn_nogate.)
+    S.run(quick=True, out=str(tmp_path / "b"), steps=3, only=["linear"])
+    second = tmp_path / "b" / "scorecard" / "scorecard.json"
+    diag = json.loads(second.read_text())
+    diag["rows"][0]["architecture"] = S.EXTRA_KEYS["gpt2_nope"]
+    (tmp_path / "diag.json").write_text(json.dumps(diag))
+    merged = S.run(out=str(tmp_path / "m"), merge=[str(tmp_path / "diag.json"), str(tmp_path), str(second)])
     assert [r["architecture"] for r in merged["rows"]] == [S.KEYS["gpt2"], S.KEYS["linear"], S.KEYS["kda"],
                                                           S.EXTRA_KEYS["gpt2_nope"]]
-    assert merged["complete"] is False and len(merged["merged_from"]) == 2
+    assert merged["complete"] is False and len(merged["merged_from"]) == 3
     assert set(merged["prediction_check"]["mqar"]) == {S.KEYS["linear"]}  # re-checked over the joined rows
     assert (tmp_path / "m" / "scorecard" / "scorecard.png").is_file()
     with pytest.raises(ValueError, match="more than one record"):
