@@ -20,7 +20,8 @@
   training step with 64 experts, 32K tokens, top-4 asking for a 197 GiB buffer; the CPU memory analysis
   of one ``[131072, 1024] x [64, 1024, 1024]`` grad is 120 GB), so there ``"auto"`` keeps
   ``ragged_dot`` only while that expansion is at most 256 MiB and otherwise runs the
-  pure-JAX tiled grouped matmul (memory ``O(N·k·(W + H))`` plus weight-sized buffers).
+  Pallas grouped matmul on GPUs (``"pallas"``) and the pure-JAX tiled one on the CPU
+  (``"tiled"``; memory ``O(N·k·(W + H))`` plus weight-sized buffers).
   ``"capacity"`` is the GShard-style einsum with a fixed per-expert capacity that drops
   (and counts) assignments beyond it.
 """
@@ -162,7 +163,7 @@ class MoE(nnx.Module):
         assignments (capped at ``N``); used only by ``dispatch="capacity"``.
       n_group, topk_group: group-limited routing (:func:`select_experts`; 1, 1: plain top-k).
       matmul_impl: the routed experts' grouped matmuls for ``dispatch="ragged"`` (also
-        expert-parallel): ``"auto"``, ``"ragged_dot"`` or ``"tiled"``
+        expert-parallel): ``"auto"``, ``"ragged_dot"``, ``"tiled"`` or ``"pallas"``
         (:func:`~lineage_jax.layers.grouped.grouped_matmul`).
     """
 
