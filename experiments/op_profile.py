@@ -8,7 +8,7 @@ operations on the host's threads. The summary groups kernels into kinds by name:
 =====================  =============================================================
 ``matmul``             cuBLAS / cuBLASLt / CUTLASS GEMMs (weight products, XLA dots)
 ``attention``          cuDNN fused attention
-``pallas``             Triton / Pallas kernels (the delta-rule kernels, Pallas attention)
+``pallas``             Triton / Pallas kernels (the delta-rule kernels, the grouped matmul, Pallas attention)
 ``fusion``             XLA's own fused kernels: elementwise, reductions, transposes, copies
 ``memory``             memcpy / memset
 ``collective``         NCCL
@@ -36,8 +36,9 @@ KINDS = (
     ("collective", re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all")),
     ("attention", re.compile(r"cudnn|fmha|flash_?att")),
     ("matmul", re.compile(r"gemm|cublas|nvjet|xmma|cutlass|sm\d\d_.*(mma|gmma)|\bdot\b")),
-    # Pallas kernels on GPU carry their Python function's name: the delta-rule kernels' own (kernels/delta/kernels.py)
-    ("pallas", re.compile(r"triton|pallas|mosaic|^(intra_fwd|intra_bwd\w*|state_fwd\w*|state_bwd\w*|output)$")),
+    # Pallas kernels on GPU carry their Python function's name: the delta-rule kernels' (kernels/delta/kernels.py)
+    # and the grouped matmul's (lineage_jax/layers/grouped_pallas.py)
+    ("pallas", re.compile(r"triton|pallas|mosaic|^(intra_fwd|intra_bwd\w*|state_fwd\w*|state_bwd\w*|output|gmm_\w+)$")),
     ("memory", re.compile(r"memcpy|memset")),
     ("fusion", re.compile(r"fusion|transpose|copy|reduce|concatenate|slice|scatter|gather|convert|broadcast|pad")),
 )

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from lineage_jax.layers.ffn import glu
 from lineage_jax.memory._validate import is_concrete
@@ -58,6 +59,10 @@ from lineage_jax.memory._validate import is_concrete
 Array = jax.Array
 
 GROUPED_MATMUL_IMPLS = ("auto", "ragged_dot", "tiled", "pallas")
+
+# checkpoint_name of the experts' grouped-matmul outputs (grouped_glu_mlp): the "dots" remat
+# policy of lineage_jax.models.decoder keeps them, so the backward pass reruns no expert matmul.
+RESIDUALS = "grouped_matmul_outputs"
 
 # "auto" keeps jax.lax.ragged_dot while its dense [G, M, N] expansion on GPU/CPU stays at
 # most this many bytes: small models then run exactly as before (one fused dot, no scan),
@@ -91,7 +96,7 @@ def _check(x, w, group_sizes, impl, tile) -> None:
                          f"got shape {jnp.shape(group_sizes)}")
     if not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
         raise ValueError(f"grouped_matmul: `group_sizes` must be integer, got {jnp.result_type(group_sizes)}")
-    if is_concrete(group_sizes) and bool(jnp.any(group_sizes < 0)):  # traced values cannot be checked
+    if is_concrete(group_sizes) and bool(np.any(np.asarray(group_sizes) < 0)):  # traced values cannot be checked
         raise ValueError(f"grouped_matmul: `group_sizes` must be >= 0, got {group_sizes.tolist()}")
 
 
@@ -282,5 +287,7 @@ def grouped_glu_mlp(xs: Array, w_gate: Array, w_up: Array, w_down: Array, group_
     ``group_sizes [G]`` -> ``[M, W]``; rows past ``sum(group_sizes)`` give zero.
     """
     dt = xs.dtype
-    gm = lambda a, b: grouped_matmul(a, b.astype(dt), group_sizes, impl=impl)
+    # Named (RESIDUALS) so that a remat policy can keep them: the "dots" policy saves weight
+    # matmuls, and a grouped matmul is a kernel call, not a dot.
+    gm = lambda a, b: checkpoint_name(grouped_matmul(a, b.astype(dt), group_sizes, impl=impl), RESIDUALS)
     return gm(glu(activation, gm(xs, w_gate), gm(xs, w_up)), w_down)

@@ -73,6 +73,26 @@ class RouterStats(NamedTuple):
     scores: Array
 
 
+@jax.custom_vjp
+def permute_rows(a: Array, perm: Array, inverse: Array) -> Array:
+    """``a[perm]`` for a permutation ``perm`` of ``a``'s rows, whose inverse is ``inverse``.
+
+    Its gradient is the gather ``g[inverse]``: autodiff of ``a[perm]`` would scatter-add (on one
+    H200, the MoE dispatch's scatters took 63 ms of a 552 ms training step)."""
+    return a[perm]
+
+
+def _permute_rows_fwd(a, perm, inverse):
+    return a[perm], inverse
+
+
+def _permute_rows_bwd(inverse, g):
+    return g[inverse], None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def select_experts(logits: Array, bias: Array, top_k: int, routed_scaling_factor: float = 1.0, *,
                    n_group: int = 1, topk_group: int = 1) -> tuple[Array, Array, Array]:
     """Sigmoid routing with a score-correction bias, in float32.
@@ -262,11 +282,12 @@ class MoE(nnx.Module):
         n, k = expert_idx.shape
         flat_expert = expert_idx.reshape(-1)                       # [N*k], token-major
         order = jnp.argsort(flat_expert, stable=True)              # assignments sorted by expert
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
         group_sizes = jnp.bincount(flat_expert, length=self.num_experts).astype(jnp.int32)
-        xs = z[order // k]                                         # [N*k, W]
+        xs = permute_rows(jnp.repeat(z, k, axis=0), order, inverse)  # [N*k, W], sorted by expert
         out = grouped_glu_mlp(xs, self.w_gate[...], self.w_up[...], self.w_down[...], group_sizes,
                               self.activation, impl=self.matmul_impl)
-        out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)  # unsort
+        out = permute_rows(out, inverse, order).reshape(n, k, -1)  # unsort
         routed = jnp.einsum("nkw,nk->nw", out.astype(jnp.float32), weights)
         return routed, jnp.zeros((), jnp.int32)
 

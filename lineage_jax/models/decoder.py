@@ -29,6 +29,7 @@ from lineage_jax.layers import attnres as AR
 from lineage_jax.layers.attention import Attention
 from lineage_jax.layers.common import LayerNorm, RMSNorm, constant, normal, param
 from lineage_jax.layers.ffn import MLP
+from lineage_jax.layers.grouped import RESIDUALS as GROUPED_RESIDUALS
 from lineage_jax.layers.memory_mixer import MemoryMixer
 from lineage_jax.layers.mla import MLA
 from lineage_jax.layers.moe import MoE
@@ -252,8 +253,9 @@ def remat_policy(name: str):
 
     "full" saves nothing inside a layer group (``nothing_saveable``); "dots" saves the outputs of
     matmuls without batch dimensions — the weight projections and FFN matmuls
-    (``dots_with_no_batch_dims_saveable``) — and the residuals the delta-rule kernels and the
-    blockwise attention name (``kernels.delta.RESIDUALS``, ``memory.fused.RESIDUALS``), and
+    (``dots_with_no_batch_dims_saveable``) — and the residuals the delta-rule kernels, the
+    blockwise attention and the MoE experts' grouped matmuls name (``kernels.delta.RESIDUALS``,
+    ``memory.fused.RESIDUALS``, ``layers.grouped.RESIDUALS``), and
     recomputes elementwise work and norms (and cuDNN's attention forward) in the backward pass."""
     if name == "none":
         return None
@@ -262,7 +264,7 @@ def remat_policy(name: str):
     if name == "dots":
         return jax.checkpoint_policies.save_from_both_policies(
             jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-            jax.checkpoint_policies.save_only_these_names(DELTA_RESIDUALS, ATTENTION_RESIDUALS))
+            jax.checkpoint_policies.save_only_these_names(DELTA_RESIDUALS, ATTENTION_RESIDUALS, GROUPED_RESIDUALS))
     raise ValueError(f"remat_policy: unknown policy {name!r}")
 
 

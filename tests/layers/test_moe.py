@@ -2,6 +2,7 @@
 dense reference, capacity drops, the non-trainable router bias and its update rules."""
 
 import math
+import re
 
 import chex
 import jax
@@ -267,6 +268,46 @@ def test_gradients_flow(dispatch, latent):
     names = {".".join(str(p) for p in path) for path, _ in nnx.to_flat_state(grads)}
     assert {"router", "w_gate", "w_up", "w_down"} <= names
     assert any(n.startswith("shared.") for n in names)
+
+
+def test_ragged_dispatch_gradients_equal_the_dropless_capacity_ones():
+    """The dropless (sorted, grouped-matmul) dispatch and a capacity dispatch that drops nothing compute
+    the same function: equal gradients for the input and every parameter."""
+    x, target = inputs(18), inputs(19)
+
+    def grads(dispatch):
+        model = make(16, dispatch=dispatch, capacity_factor=no_drop_factor())
+        loss = lambda m, x: jnp.sum(m(x)[0] * target)
+        return nnx.grad(loss, argnums=(0, 1))(model, x)
+
+    (gm_r, gx_r), (gm_c, gx_c) = grads("ragged"), grads("capacity")
+    assert rel_err(gx_r, gx_c) < 1e-5
+    flat_c = dict(nnx.to_flat_state(gm_c))
+    for path, g in nnx.to_flat_state(gm_r):
+        assert rel_err(g[...], flat_c[path][...]) < 1e-5, path
+
+
+def test_permute_rows_gradient_is_a_gather():
+    """``permute_rows``'s gradient equals that of ``a[perm]`` on random permutations, and its backward
+    is a gather (autodiff of indexing would scatter-add)."""
+    rng = np.random.default_rng(0)
+    for n in (1, 7, 64):
+        a = jnp.asarray(rng.normal(size=(n, 5)), jnp.float32)
+        w = jnp.asarray(rng.normal(size=(n, 5)), jnp.float32)
+        perm = jnp.asarray(rng.permutation(n), jnp.int32)
+        inv = jnp.zeros_like(perm).at[perm].set(jnp.arange(n, dtype=jnp.int32))
+        f = lambda a: jnp.sum(jnp.sin(M.permute_rows(a, perm, inv)) * w)
+        g = lambda a: jnp.sum(jnp.sin(a[perm]) * w)
+        np.testing.assert_array_equal(M.permute_rows(a, perm, inv), a[perm])
+        np.testing.assert_allclose(jax.grad(f)(a), jax.grad(g)(a), rtol=1e-6, atol=1e-7)
+        assert "scatter-add" not in str(jax.make_jaxpr(jax.grad(f))(a))
+    # In a MoE layer's backward the only scatter-adds left are the router's ([N, E] scores) and
+    # bincounts: none of model width D or expert width H (the dispatch of the token rows).
+    graphdef, state = nnx.split(make(17))
+    loss = lambda state, x: jnp.sum(nnx.merge(graphdef, state)(x)[0])
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, inputs(20)))
+    widths = [int(w) for w in re.findall(r"f32\[\d+,(\d+)\] = scatter-add", text)]
+    assert widths and not set(widths) & {D, H}, widths
 
 
 # ------------------------------------------------------------------------ bad configs
