@@ -274,7 +274,12 @@ def _isolated(row, B, T, remat, *, steps, warmup, window, attention_impl, memory
 def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), shapes: str = DEFAULT_SHAPES,
         remat: str = "dots", steps: int = 20, warmup: int = 3, window: int = 5, attention_impl: str = "auto",
         memory_backend: str = "auto", overrides: Optional[list] = None, isolate: bool = False,
-        profile: int = 0) -> dict:
+        profile: int = 0, merge: Optional[list] = None) -> dict:
+    """Time every row of ``rows`` at every shape of ``shapes`` (module docstring). ``merge``: instead,
+    join the records of earlier calls (their ``--out`` roots or ``train_bench.json`` paths; the same
+    model size) into one record, table and figure."""
+    if merge:
+        return merged(merge, out)
     overrides = tuple(overrides or ())
     for o in overrides:  # checked before anything runs
         model_config("hybrid", QUICK, "none", overrides=(o,))
@@ -368,6 +373,22 @@ def plot(record: dict):
     return fig
 
 
+def merged(sources: list, out: str) -> dict:
+    """One record from earlier calls' records (same model size): their results in order, each
+    result tagged with its source's date and commit."""
+    records = C.load_records(NAME, sources)
+    for src, rec in zip(sources[1:], records[1:]):
+        if rec["size"] != records[0]["size"] or rec["quick"] != records[0]["quick"]:
+            raise ValueError(f"merge: {src!r} measured another model size than {sources[0]!r}")
+    results = []
+    for rec in records:
+        results += [dict(r, date=rec["date"], git_commit=rec["git_commit"]) for r in rec["results"]]
+    record = {k: v for k, v in records[-1].items() if k not in ("files", "results")}
+    record.update(results=results, merged_from=[{"date": r["date"], "git_commit": r["git_commit"],
+                                                 "git_dirty": r["git_dirty"]} for r in records])
+    return C.finish(record, NAME, out, plot(record))
+
+
 def table(record: dict) -> str:
     rows = []
     for r in record["results"]:
@@ -407,6 +428,8 @@ def main(argv=None):
                    help="also profile N steps of every row: GPU time per kind and the largest kernels (default: 0, off)")
     p.add_argument("--set", dest="overrides", action="append", metavar="FIELD=VALUE",
                    help="a ModelConfig field for every library row, e.g. --set moe_dispatch=capacity (repeatable)")
+    p.add_argument("--merge", nargs="+", metavar="RECORD",
+                   help="join earlier calls' records (--out roots or train_bench.json paths) instead of running")
     return C.main_for(NAME, p, run, table, argv)
 
 
