@@ -29,9 +29,9 @@ def test_stages_times_every_kernel(tiny):
 
 def test_check_compares_pallas_with_xla(tiny, monkeypatch):
     res = {}
-    assert kb.part_check(res, rules=("delta", "gdn"), chunk_size=32)
-    assert set(res["check"]) == {"delta/float32", "gdn/float32", "delta/bfloat16", "gdn/bfloat16"}
-    assert res["check"]["delta/float32"]["dv"] < 1e-4
+    assert kb.part_check(res, rules=("gdn",), chunk_size=32)  # (the kernels' own tests cover every rule)
+    assert set(res["check"]) == {"gdn/float32", "gdn/bfloat16"}
+    assert res["check"]["gdn/float32"]["dv"] < 1e-4
 
 
 @pytest.mark.parametrize("tuning, message", [("anchored_bwd=all", "anchored_bwd must be one of"),

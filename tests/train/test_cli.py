@@ -19,7 +19,13 @@ SMALL = ["--set", "seq_len=64", "--set", "batch_size=2", "--set", "log_every=1",
          "--set", "eval_batches=1"]
 
 
-@pytest.mark.parametrize("name", TINY)
+# The default suite trains two configs through the CLI (GPT-2; the Kimi Linear hybrid: KDA, MLA, MoE,
+# AttnRes); every tiny config's forward, prefill and decode are in tests/layers/test_models.py, and
+# `-m slow` trains the rest here too.
+CLI_DEFAULT = ("tiny_gpt2", "tiny_kimi_linear")
+
+
+@pytest.mark.parametrize("name", [n if n in CLI_DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in TINY])
 def test_cli_smoke_every_tiny_config(name, tmp_path, capsys):
     rc = train_main(["--config", name, "--steps", "2", "--workdir", str(tmp_path / name), "--data", "mqar", *SMALL])
     assert rc == 0
