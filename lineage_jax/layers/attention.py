@@ -35,10 +35,13 @@ class Attention(nnx.Module):
     """Causal softmax attention: ``o = softmax(q kᵀ / √d) v`` per head, then ``W_o``; with
     ``rope_theta``, ``q`` and ``k`` are rotated at their positions first (see the module doc)."""
 
-    def __init__(self, d_model: int, *, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
-                 use_bias: bool = False, rngs: nnx.Rngs, out_std: Optional[float] = None, std: Optional[float] = None,
-                 rope_theta: Optional[float] = None, decode_read: str = "auto", attention_impl: str = "auto",
-                 yarn: Optional[YaRN] = None):
+    @staticmethod
+    def check(d_model: int, *, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
+              use_bias: bool = False, out_std: Optional[float] = None, std: Optional[float] = None,
+              rope_theta: Optional[float] = None, decode_read: str = "auto", attention_impl: str = "auto",
+              yarn: Optional[YaRN] = None) -> None:
+        """Raise ``ValueError`` naming the first bad argument of ``Attention(...)`` (the same arguments,
+        without ``rngs``); ``ModelConfig`` runs it on its softmax-attention part."""
         memory.resolve_read("Attention", decode_read, "decode_read")  # checked here, resolved when traced
         if attention_impl not in memory.ATTENTION_IMPLS:
             raise ValueError(f"Attention: `attention_impl` must be one of {memory.ATTENTION_IMPLS}, got {attention_impl!r}")
@@ -47,17 +50,26 @@ class Attention(nnx.Module):
             if val <= 0:
                 raise ValueError(f"Attention: `{name}` must be positive, got {val}")
         if num_heads % num_kv_heads:
-            raise ValueError(f"Attention: `num_heads` ({num_heads}) must be a multiple of `num_kv_heads` ({num_kv_heads})")
+            raise ValueError(f"Attention: `num_kv_heads` ({num_kv_heads}) must divide `num_heads` ({num_heads})")
         if rope_theta is not None:
             if head_dim % 2:
                 raise ValueError(f"Attention: `head_dim` must be even with rope_theta set, got {head_dim}")
             if (isinstance(rope_theta, bool) or not isinstance(rope_theta, numbers.Real)
                     or not math.isfinite(rope_theta) or not rope_theta > 0):
                 raise ValueError(f"Attention: `rope_theta` must be a positive finite number or None, got {rope_theta!r}")
-        self.d_model, self.num_heads, self.head_dim, self.num_kv_heads = d_model, num_heads, head_dim, num_kv_heads
-        self.rope_theta = None if rope_theta is None else float(rope_theta)
         if yarn is not None and rope_theta is None:
             raise ValueError("Attention: `yarn` scales RoPE; set `rope_theta` too")
+
+    def __init__(self, d_model: int, *, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
+                 use_bias: bool = False, rngs: nnx.Rngs, out_std: Optional[float] = None, std: Optional[float] = None,
+                 rope_theta: Optional[float] = None, decode_read: str = "auto", attention_impl: str = "auto",
+                 yarn: Optional[YaRN] = None):
+        self.check(d_model, num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads, use_bias=use_bias,
+                   out_std=out_std, std=std, rope_theta=rope_theta, decode_read=decode_read,
+                   attention_impl=attention_impl, yarn=yarn)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.d_model, self.num_heads, self.head_dim, self.num_kv_heads = d_model, num_heads, head_dim, num_kv_heads
+        self.rope_theta = None if rope_theta is None else float(rope_theta)
         self.yarn = yarn  # YaRN scaling of the rotary frequencies (None: plain RoPE)
         self.decode_read = decode_read  # how decode reads the cache: memory.softmax_attention_step's `read`
         self.attention_impl = attention_impl  # the fused attention of __call__: memory.softmax_attention's `impl`

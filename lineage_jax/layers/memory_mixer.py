@@ -135,13 +135,17 @@ class MemoryMixer(nnx.Module):
         ``gate_lower_bound=-gate_bound`` to it (the gate's construction guarantees the bound).
     """
 
-    def __init__(self, d_model: int, *, rule: str, num_heads: int, head_dim: int, v_head_dim: Optional[int] = None,
-                 conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
-                 output_norm: Optional[bool] = None, output_gate: Optional[str] = None,
-                 gate_activation: Optional[str] = None, a_init: str = "default", chunk_size: Optional[int] = None,
-                 backend: Optional[str] = None, norm_eps: float = 1e-6, silu_v: bool = False,
-                 allow_neg_eigval: bool = False, output_gate_bias: bool = False, num_v_heads: Optional[int] = None,
-                 options: Optional[MemoryOptions] = None, rngs: nnx.Rngs):
+    @staticmethod
+    def check(d_model: int, *, rule: str, num_heads: int, head_dim: int, v_head_dim: Optional[int] = None,
+              conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
+              output_norm: Optional[bool] = None, output_gate: Optional[str] = None,
+              gate_activation: Optional[str] = None, a_init: str = "default", chunk_size: Optional[int] = None,
+              backend: Optional[str] = None, norm_eps: float = 1e-6, silu_v: bool = False,
+              allow_neg_eigval: bool = False, output_gate_bias: bool = False, num_v_heads: Optional[int] = None,
+              options: Optional[MemoryOptions] = None) -> MemoryOptions:
+        """Raise ``ValueError`` naming the first bad argument of ``MemoryMixer(...)`` (the same
+        arguments, without ``rngs``); ``ModelConfig`` runs it on its part for each rule. Returns the
+        layer's :class:`~lineage_jax.memory.MemoryOptions` (the bounded KDA gate's bound added)."""
         if rule not in RULES:
             raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
@@ -155,35 +159,59 @@ class MemoryMixer(nnx.Module):
             raise ValueError(f"MemoryMixer: `a_init` must be one of {A_INITS}, got {a_init!r}")
         if kda_gate not in KDA_GATES:
             raise ValueError(f"MemoryMixer: `kda_gate` must be one of {KDA_GATES}, got {kda_gate!r}")
-        defaults = {"linear": (False, "none"), "deltanet": (True, "none"), "gdn": (True, "full"), "kda": (True, "lowrank")}
-        output_norm = defaults[rule][0] if output_norm is None else output_norm
-        output_gate = defaults[rule][1] if output_gate is None else output_gate
-        if output_gate not in OUTPUT_GATES:
+        if output_gate is not None and output_gate not in OUTPUT_GATES:
             raise ValueError(f"MemoryMixer: `output_gate` must be one of {OUTPUT_GATES}, got {output_gate!r}")
-        gate_activation = ("silu" if rule == "gdn" else "sigmoid") if gate_activation is None else gate_activation
-        if gate_activation not in GATE_ACTIVATIONS:
+        if gate_activation is not None and gate_activation not in GATE_ACTIVATIONS:
             raise ValueError(f"MemoryMixer: `gate_activation` must be one of {GATE_ACTIVATIONS}, "
                              f"got {gate_activation!r}")
-        Hq, K = num_heads, head_dim
-        H = Hq if num_v_heads is None else num_v_heads
-        if not isinstance(H, int) or H <= 0 or H % Hq:
-            raise ValueError(f"MemoryMixer: `num_v_heads` must be a positive multiple of num_heads={Hq}, got {H!r}")
-        if H != Hq and rule == "linear":
+        H = num_heads if num_v_heads is None else num_v_heads
+        if not isinstance(H, int) or H <= 0 or H % num_heads:
+            raise ValueError(f"MemoryMixer: `num_v_heads` must be a positive multiple of num_heads={num_heads}, "
+                             f"got {H!r}")
+        if H != num_heads and rule == "linear":
             raise ValueError("MemoryMixer: `num_v_heads` (grouped value heads) is for the delta rules, not linear")
-        Vd = head_dim if v_head_dim is None else v_head_dim
         rank = head_dim if gate_rank is None else gate_rank
         if rank <= 0:
             raise ValueError(f"MemoryMixer: `gate_rank` must be positive, got {rank}")
-        self.rule, self.d_model, self.num_heads, self.head_dim, self.v_head_dim = rule, d_model, Hq, K, Vd
-        self.num_v_heads = H
+        if output_gate_bias and MemoryMixer._defaults(rule, output_norm, output_gate, gate_activation)[1] == "none":
+            raise ValueError("MemoryMixer: `output_gate_bias` needs an output gate (output_gate='none')")
         if rule == "kda" and kda_gate == "bounded":
             options = options.replace(gate_lower_bound=-float(gate_bound))
+        return options
+
+    @staticmethod
+    def _defaults(rule, output_norm, output_gate, gate_activation) -> tuple[bool, str, str]:
+        """The rule's output norm, output gate and gate activation where the arguments leave them None."""
+        defaults = {"linear": (False, "none"), "deltanet": (True, "none"), "gdn": (True, "full"), "kda": (True, "lowrank")}
+        output_norm = defaults[rule][0] if output_norm is None else output_norm
+        output_gate = defaults[rule][1] if output_gate is None else output_gate
+        gate_activation = ("silu" if rule == "gdn" else "sigmoid") if gate_activation is None else gate_activation
+        return output_norm, output_gate, gate_activation
+
+    def __init__(self, d_model: int, *, rule: str, num_heads: int, head_dim: int, v_head_dim: Optional[int] = None,
+                 conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
+                 output_norm: Optional[bool] = None, output_gate: Optional[str] = None,
+                 gate_activation: Optional[str] = None, a_init: str = "default", chunk_size: Optional[int] = None,
+                 backend: Optional[str] = None, norm_eps: float = 1e-6, silu_v: bool = False,
+                 allow_neg_eigval: bool = False, output_gate_bias: bool = False, num_v_heads: Optional[int] = None,
+                 options: Optional[MemoryOptions] = None, rngs: nnx.Rngs):
+        options = self.check(d_model, rule=rule, num_heads=num_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+                             conv_size=conv_size, kda_gate=kda_gate, gate_bound=gate_bound, gate_rank=gate_rank,
+                             output_norm=output_norm, output_gate=output_gate, gate_activation=gate_activation,
+                             a_init=a_init, chunk_size=chunk_size, backend=backend, norm_eps=norm_eps, silu_v=silu_v,
+                             allow_neg_eigval=allow_neg_eigval, output_gate_bias=output_gate_bias,
+                             num_v_heads=num_v_heads, options=options)
+        output_norm, output_gate, gate_activation = self._defaults(rule, output_norm, output_gate, gate_activation)
+        Hq, K = num_heads, head_dim
+        H = Hq if num_v_heads is None else num_v_heads
+        Vd = head_dim if v_head_dim is None else v_head_dim
+        rank = head_dim if gate_rank is None else gate_rank
+        self.rule, self.d_model, self.num_heads, self.head_dim, self.v_head_dim = rule, d_model, Hq, K, Vd
+        self.num_v_heads = H
         self.options = options  # how the rule runs: backend, chunk, gate bound, precision (checked once)
         self.conv_size, self.kda_gate, self.gate_bound = conv_size, kda_gate, gate_bound
         self.output_gate, self.gate_activation = output_gate, gate_activation
         self.silu_v, self.beta_max = bool(silu_v), 2.0 if allow_neg_eigval else 1.0
-        if output_gate_bias and output_gate == "none":
-            raise ValueError("MemoryMixer: `output_gate_bias` needs an output gate (output_gate='none')")
 
         self.q = Dense(d_model, (Hq, K), axes=("embed", "heads", "head_dim"), rngs=rngs)
         self.k = Dense(d_model, (Hq, K), axes=("embed", "heads", "head_dim"), rngs=rngs)

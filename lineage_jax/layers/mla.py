@@ -107,11 +107,14 @@ class MLACache(NamedTuple):
 class MLA(nnx.Module):
     """Multi-head Latent Attention token mixer (causal). See the module docstring."""
 
-    def __init__(self, d_model: int, *, num_heads: int, q_lora_rank: Optional[int] = None,
-                 kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-                 use_rope: bool = False, rope_theta: float = 10000.0, output_gate: bool = False,
-                 rngs: nnx.Rngs, decode_read: str = "auto", attention_impl: str = "auto",
-                 yarn: Optional[YaRN] = None, softmax_scale: Optional[float] = None):
+    @staticmethod
+    def check(d_model: int, *, num_heads: int, q_lora_rank: Optional[int] = None,
+              kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+              use_rope: bool = False, rope_theta: float = 10000.0, output_gate: bool = False,
+              decode_read: str = "auto", attention_impl: str = "auto",
+              yarn: Optional[YaRN] = None, softmax_scale: Optional[float] = None) -> None:
+        """Raise ``ValueError`` naming the first bad argument of ``MLA(...)`` (the same arguments,
+        without ``rngs``); ``ModelConfig`` runs it on its MLA part."""
         resolve_read("MLA", decode_read, "decode_read")  # checked here, resolved when traced
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"MLA: `attention_impl` must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
@@ -129,13 +132,23 @@ class MLA(nnx.Module):
             if not rope_theta > 0:
                 raise ValueError(f"MLA: `rope_theta` must be positive, got {rope_theta!r}")
 
-        H, n, r, dv = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.d_model, self.num_heads = d_model, H
-        self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim = kv_lora_rank, n, r, dv
         if yarn is not None and not use_rope:
             raise ValueError("MLA: `yarn` scales RoPE; it needs use_rope=True")
         if softmax_scale is not None and not softmax_scale > 0:
             raise ValueError(f"MLA: `softmax_scale` must be positive or None, got {softmax_scale!r}")
+
+    def __init__(self, d_model: int, *, num_heads: int, q_lora_rank: Optional[int] = None,
+                 kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 use_rope: bool = False, rope_theta: float = 10000.0, output_gate: bool = False,
+                 rngs: nnx.Rngs, decode_read: str = "auto", attention_impl: str = "auto",
+                 yarn: Optional[YaRN] = None, softmax_scale: Optional[float] = None):
+        self.check(d_model, num_heads=num_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                   qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+                   use_rope=use_rope, rope_theta=rope_theta, output_gate=output_gate, decode_read=decode_read,
+                   attention_impl=attention_impl, yarn=yarn, softmax_scale=softmax_scale)
+        H, n, r, dv = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.d_model, self.num_heads = d_model, H
+        self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim = kv_lora_rank, n, r, dv
         self.use_rope, self.rope_theta, self.yarn = bool(use_rope), float(rope_theta), yarn
         # Scores are multiplied by this (default (n + r) ** -0.5; DeepSeek-V3's YaRN multiplies it by mscale²).
         self.scale = float(n + r) ** -0.5 if softmax_scale is None else float(softmax_scale)

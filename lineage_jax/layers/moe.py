@@ -187,12 +187,14 @@ class MoE(nnx.Module):
         (:func:`~lineage_jax.layers.grouped.grouped_matmul`).
     """
 
-    def __init__(self, d_model: int, *, num_experts: int, top_k: int, expert_hidden: int,
-                 num_shared_experts: int = 0, shared_hidden: Optional[int] = None,
-                 activation: str = "swiglu", routed_scaling_factor: float = 1.0,
-                 latent_dim: Optional[int] = None, dispatch: str = "ragged",
-                 capacity_factor: float = 1.25, matmul_impl: str = "auto", n_group: int = 1, topk_group: int = 1,
-                 rngs: nnx.Rngs):
+    @staticmethod
+    def check(d_model: int, *, num_experts: int, top_k: int, expert_hidden: int,
+              num_shared_experts: int = 0, shared_hidden: Optional[int] = None,
+              activation: str = "swiglu", routed_scaling_factor: float = 1.0,
+              latent_dim: Optional[int] = None, dispatch: str = "ragged",
+              capacity_factor: float = 1.25, matmul_impl: str = "auto", n_group: int = 1, topk_group: int = 1) -> None:
+        """Raise ``ValueError`` naming the first bad argument of ``MoE(...)`` (the same arguments,
+        without ``rngs``); ``ModelConfig`` runs it on its MoE part."""
         if d_model <= 0:
             raise ValueError(f"MoE: `d_model` must be positive, got {d_model}")
         if num_experts <= 0:
@@ -224,6 +226,17 @@ class MoE(nnx.Module):
                              f"of topk_group={topk_group} groups")
         if matmul_impl not in GROUPED_MATMUL_IMPLS:
             raise ValueError(f"MoE: `matmul_impl` must be one of {GROUPED_MATMUL_IMPLS}, got {matmul_impl!r}")
+
+    def __init__(self, d_model: int, *, num_experts: int, top_k: int, expert_hidden: int,
+                 num_shared_experts: int = 0, shared_hidden: Optional[int] = None,
+                 activation: str = "swiglu", routed_scaling_factor: float = 1.0,
+                 latent_dim: Optional[int] = None, dispatch: str = "ragged",
+                 capacity_factor: float = 1.25, matmul_impl: str = "auto", n_group: int = 1, topk_group: int = 1,
+                 rngs: nnx.Rngs):
+        self.check(d_model, num_experts=num_experts, top_k=top_k, expert_hidden=expert_hidden,
+                   num_shared_experts=num_shared_experts, shared_hidden=shared_hidden, activation=activation,
+                   routed_scaling_factor=routed_scaling_factor, latent_dim=latent_dim, dispatch=dispatch,
+                   capacity_factor=capacity_factor, matmul_impl=matmul_impl, n_group=n_group, topk_group=topk_group)
 
         self.d_model = d_model
         self.num_experts = num_experts

@@ -14,9 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 from typing import Any, Optional
 
-from lineage_jax.layers.grouped import GROUPED_MATMUL_IMPLS
+from lineage_jax.layers.attention import Attention
+from lineage_jax.layers.memory_mixer import MemoryMixer
+from lineage_jax.layers.mla import MLA
+from lineage_jax.layers.moe import MoE
 from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
 from lineage_jax.memory.options import MemoryOptions
 from lineage_jax.memory.softmax import READS
@@ -58,6 +62,15 @@ class ModelConfig:
       blocks of ``n`` layers).
     * **Execution** — how the same model runs, not what it computes: ``decode_read``,
       ``attention_impl``, ``remat``, ``scan_layers``, ``scan_period``, ``dtype``.
+
+    Each layer family reads its fields through its **part** (:class:`Part`):
+    :meth:`attention_part`, :meth:`mla_part`, :meth:`mixer_part` (per rule), :meth:`moe_part` give
+    the layer's arguments under the layer's own names, and the Decoder builds each layer from its
+    part. Validation follows the same split: the checks of a family's fields are the layer's own
+    (``Attention.check``, ``MLA.check``, ``MemoryMixer.check``, ``MoE.check``), run here on the part,
+    with errors naming the config field (``ModelConfig.moe_hidden: MoE: `expert_hidden` must be
+    positive``); :func:`validate` keeps the checks that span families (the pattern, positions,
+    RoPE scaling, execution settings).
 
     :meth:`replace` returns a validated copy with some fields changed; the named configs of
     the lineage are in ``CONFIGS`` (:func:`get_config`).
@@ -176,6 +189,66 @@ class ModelConfig:
         every fixed-state mixer; a bounded KDA gate adds its bound in the layer."""
         return MemoryOptions(backend=self.memory_backend, chunk_size=self.chunk_size, precision=self.matmul_precision)
 
+    # ------------------------------------------------------------------ each layer's part
+    def attention_part(self) -> "Part":
+        """The softmax-attention layers' (``S``) arguments of :class:`~lineage_jax.layers.attention.Attention`."""
+        rope = self.positions == "rope"
+        # GPT-2's init (std 0.02, output scaled by depth) for the GPT-2 family: learned positions or
+        # LayerNorm (so GPT-2 without positions, or with RoPE, differs from GPT-2 in that alone).
+        gpt2_init = self.positions == "learned" or self.norm == "layernorm"
+        return Part("Attention", d_model=(self.d_model, "d_model"), num_heads=(self.num_heads, "num_heads"),
+                    head_dim=(self.resolved_head_dim, "head_dim"), num_kv_heads=(self.num_kv_heads, "num_kv_heads"),
+                    use_bias=(self.attn_bias, "attn_bias"), std=(0.02 if gpt2_init else None, "positions"),
+                    out_std=(0.02 / (2 * self.num_layers) ** 0.5 if gpt2_init else None, "positions"),
+                    rope_theta=(self.rope_theta if rope else None, "rope_theta"),
+                    decode_read=(self.decode_read, "decode_read"), attention_impl=(self.attention_impl, "attention_impl"),
+                    yarn=(self.yarn if rope else None, "rope_scaling"))
+
+    def mla_part(self) -> "Part":
+        """The MLA layers' (``M``) arguments of :class:`~lineage_jax.layers.mla.MLA`."""
+        return Part("MLA", d_model=(self.d_model, "d_model"), num_heads=(self.num_heads, "num_heads"),
+                    q_lora_rank=(self.q_lora_rank, "q_lora_rank"), kv_lora_rank=(self.kv_lora_rank, "kv_lora_rank"),
+                    qk_nope_head_dim=(self.qk_nope_head_dim, "qk_nope_head_dim"),
+                    qk_rope_head_dim=(self.qk_rope_head_dim, "qk_rope_head_dim"),
+                    v_head_dim=(self.v_head_dim, "v_head_dim"), use_rope=(self.mla_rope, "mla_rope"),
+                    rope_theta=(self.rope_theta, "rope_theta"), output_gate=(self.mla_output_gate, "mla_output_gate"),
+                    decode_read=(self.decode_read, "decode_read"), attention_impl=(self.attention_impl, "attention_impl"),
+                    yarn=(self.yarn if self.mla_rope else None, "rope_scaling"),
+                    softmax_scale=(self.mla_softmax_scale, "mla_softmax_scale"))
+
+    def mixer_part(self, rule: str) -> "Part":
+        """The arguments of :class:`~lineage_jax.layers.memory_mixer.MemoryMixer` for ``rule``
+        (``"linear"``, ``"deltanet"``, ``"gdn"`` or ``"kda"``: the ``L``, ``D``, ``G``, ``K`` layers)."""
+        delta = rule != "linear"
+        gates = {}
+        if rule == "kda":
+            gates = dict(output_gate=(self.kda_output_gate, "kda_output_gate"),
+                         output_gate_bias=(self.kda_output_gate_bias and self.kda_output_gate != "none",
+                                           "kda_output_gate_bias"))
+        elif rule == "gdn":
+            gates = (dict(output_gate=("none", "gdn_output_gate")) if self.gdn_output_gate == "none" else
+                     dict(output_gate=("full", "gdn_output_gate"), gate_activation=(self.gdn_output_gate, "gdn_output_gate")))
+        return Part("MemoryMixer", d_model=(self.d_model, "d_model"), rule=(rule, "pattern"),
+                    num_heads=(self.num_heads, "num_heads"), head_dim=(self.resolved_head_dim, "head_dim"),
+                    conv_size=(self.conv_size if delta else 0, "conv_size"), kda_gate=(self.kda_gate, "kda_gate"),
+                    gate_rank=(self.kda_gate_rank, "kda_gate_rank"), a_init=(self.decay_a_init, "decay_a_init"),
+                    options=(self.memory_options, "memory_backend"), norm_eps=(self.mixer_norm_eps, "mixer_norm_eps"),
+                    silu_v=(self.silu_v, "silu_v"), allow_neg_eigval=(self.allow_neg_eigval and delta, "allow_neg_eigval"),
+                    num_v_heads=(self.num_v_heads if delta else None, "num_v_heads"), **gates)
+
+    def moe_part(self) -> "Part":
+        """The MoE layers' arguments of :class:`~lineage_jax.layers.moe.MoE`."""
+        return Part("MoE", d_model=(self.d_model, "d_model"), num_experts=(self.num_experts, "num_experts"),
+                    top_k=(self.top_k, "top_k"), expert_hidden=(self.moe_hidden, "moe_hidden"),
+                    num_shared_experts=(self.num_shared_experts, "num_shared_experts"),
+                    shared_hidden=(self.shared_hidden if self.num_shared_experts else None, "shared_hidden"),
+                    activation=(self.moe_activation, "moe_activation"),
+                    routed_scaling_factor=(self.routed_scaling_factor, "routed_scaling_factor"),
+                    latent_dim=(self.moe_latent_dim, "moe_latent_dim"), dispatch=(self.moe_dispatch, "moe_dispatch"),
+                    capacity_factor=(self.capacity_factor, "capacity_factor"),
+                    matmul_impl=(self.moe_matmul_impl, "moe_matmul_impl"), n_group=(self.n_group, "n_group"),
+                    topk_group=(self.topk_group, "topk_group"))
+
     @property
     def num_layers(self) -> int:
         return len(self.pattern)
@@ -198,6 +271,30 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown config field(s) {unknown}; valid fields: {sorted(f.name for f in dataclasses.fields(self))}")
         return dataclasses.replace(self, **changes)
+
+
+class Part:
+    """One layer's arguments from a :class:`ModelConfig`: ``kwargs`` under the layer's own argument
+    names and, for each argument, the config field it comes from (what an error names). Built by
+    ``ModelConfig.attention_part`` / ``mla_part`` / ``mixer_part`` / ``moe_part``; the Decoder
+    builds each layer from its part, and :func:`validate` runs the layer's own ``check`` on it."""
+
+    def __init__(self, layer: str, **args: tuple[Any, str]):
+        self.layer = layer
+        self.kwargs = {a: v for a, (v, _) in args.items()}
+        self.fields = {a: f for a, (_, f) in args.items()}
+
+    def check(self, check_fn) -> Any:
+        """``check_fn(**kwargs)``; a ``ValueError`` naming an argument is raised again naming the
+        config field it comes from (``ModelConfig.<field>: <the layer's message>``)."""
+        try:
+            return check_fn(**self.kwargs)
+        except ValueError as e:
+            m = re.search(r"`(\w+)`", str(e))
+            field = self.fields.get(m.group(1)) if m else None
+            if field is None:
+                raise
+            raise ValueError(f"ModelConfig.{field}: {e}") from None
 
 
 def _fail(field: str, message: str):
@@ -225,10 +322,6 @@ def validate(c: ModelConfig) -> None:
             _fail("num_heads", f"d_model={c.d_model} is not divisible by num_heads={c.num_heads}; set head_dim explicitly")
     else:
         positive("head_dim")
-    if "S" in c.pattern and c.num_kv_heads is not None:
-        positive("num_kv_heads")
-        if c.num_heads % c.num_kv_heads:
-            _fail("num_kv_heads", f"num_heads={c.num_heads} must be a multiple of num_kv_heads={c.num_kv_heads}")
     if c.positions not in ("learned", "rope", "none"):
         _fail("positions", f"must be 'learned', 'rope' or 'none', got {c.positions!r}")
     if (isinstance(c.rope_theta, bool) or not isinstance(c.rope_theta, numbers.Real)
@@ -237,8 +330,6 @@ def validate(c: ModelConfig) -> None:
     if c.positions == "rope" and "S" not in c.pattern:
         _fail("positions", "'rope' rotates the softmax ('S') layers and this pattern has none "
                            f"({c.pattern!r}); MLA layers use mla_rope")
-    if c.positions == "rope" and c.resolved_head_dim % 2:
-        _fail("head_dim", f"must be even with positions='rope', got {c.resolved_head_dim}")
     if c.norm not in ("layernorm", "rmsnorm"):
         _fail("norm", f"must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
     for f in ("norm_eps", "mixer_norm_eps", "mla_softmax_scale"):
@@ -266,34 +357,6 @@ def validate(c: ModelConfig) -> None:
         _fail("first_dense_layers", f"must be in [0, {c.num_layers}] (the number of layers), got {c.first_dense_layers}")
     if c.num_experts == 0 or c.first_dense_layers > 0:
         positive("ffn_hidden")
-    if c.num_experts > 0:
-        if not 0 < c.top_k <= c.num_experts:
-            _fail("top_k", f"must be in [1, num_experts={c.num_experts}], got {c.top_k}")
-        positive("moe_hidden")
-        if c.num_shared_experts < 0:
-            _fail("num_shared_experts", f"must be >= 0, got {c.num_shared_experts}")
-        if c.moe_latent_dim is not None:
-            positive("moe_latent_dim")
-        if c.moe_activation not in ("swiglu", "situ"):
-            _fail("moe_activation", f"must be 'swiglu' or 'situ', got {c.moe_activation!r}")
-        if c.moe_dispatch not in ("ragged", "capacity"):
-            _fail("moe_dispatch", f"must be 'ragged' or 'capacity', got {c.moe_dispatch!r}")
-        if c.moe_matmul_impl not in GROUPED_MATMUL_IMPLS:
-            _fail("moe_matmul_impl", f"must be one of {GROUPED_MATMUL_IMPLS}, got {c.moe_matmul_impl!r}")
-        if not c.capacity_factor > 0:
-            _fail("capacity_factor", f"must be > 0, got {c.capacity_factor}")
-        positive("n_group")
-        if c.num_experts % c.n_group:
-            _fail("n_group", f"must divide num_experts={c.num_experts}, got {c.n_group}")
-        if not isinstance(c.topk_group, int) or not 1 <= c.topk_group <= c.n_group:
-            _fail("topk_group", f"must be in [1, n_group={c.n_group}], got {c.topk_group!r}")
-        if c.top_k > c.topk_group * (c.num_experts // c.n_group):
-            _fail("top_k", f"{c.top_k} exceeds the {c.topk_group * (c.num_experts // c.n_group)} experts that "
-                           f"topk_group={c.topk_group} groups hold")
-    if c.conv_size < 0 or c.conv_size == 1:
-        _fail("conv_size", f"must be 0 (none) or >= 2, got {c.conv_size}")
-    if c.kda_gate not in ("softplus", "bounded"):
-        _fail("kda_gate", f"must be 'softplus' or 'bounded', got {c.kda_gate!r}")
     try:
         c.memory_options
     except ValueError as e:  # MemoryOptions names its own argument: name the config's field instead
@@ -309,30 +372,25 @@ def validate(c: ModelConfig) -> None:
         _fail("matmul_precision", f"must be one of {MATMUL_PRECISIONS}, got {c.matmul_precision!r}")
     if c.remat not in REMAT_POLICIES:
         _fail("remat", f"must be one of {REMAT_POLICIES} (or a bool: True = 'full'), got {c.remat!r}")
-    if c.kda_output_gate not in ("lowrank", "full", "none"):
-        _fail("kda_output_gate", f"must be 'lowrank', 'full' or 'none', got {c.kda_output_gate!r}")
     if c.decode_read not in READS:
         _fail("decode_read", f"must be one of {READS}, got {c.decode_read!r}")
-    if c.decay_a_init not in ("default", "unit"):
-        _fail("decay_a_init", f"must be 'default' or 'unit', got {c.decay_a_init!r}")
     if c.decay_a_init != "default" and not set(c.pattern) & {"G", "K"}:
         _fail("decay_a_init", f"sets the GDN / KDA decay scale and this pattern has neither ({c.pattern!r})")
-    if c.num_v_heads is not None and (not isinstance(c.num_v_heads, int) or c.num_v_heads <= 0
-                                      or c.num_v_heads % c.num_heads):
-        _fail("num_v_heads", f"must be a positive multiple of num_heads={c.num_heads}, got {c.num_v_heads!r}")
     if c.num_v_heads not in (None, c.num_heads) and not set(c.pattern) & {"D", "G", "K"}:
         _fail("num_v_heads", f"sets the delta rules' value heads and this pattern has none ({c.pattern!r})")
     if c.allow_neg_eigval and not set(c.pattern) & {"D", "G", "K"}:
         _fail("allow_neg_eigval", f"sets the delta rules' β and this pattern has none ({c.pattern!r})")
     if c.kda_output_gate_bias and ("K" not in c.pattern or c.kda_output_gate == "none"):
         _fail("kda_output_gate_bias", "needs KDA layers ('K') with an output gate")
-    if c.gdn_output_gate not in ("silu", "sigmoid", "none"):
-        _fail("gdn_output_gate", f"must be 'silu', 'sigmoid' or 'none', got {c.gdn_output_gate!r}")
+    # Each layer family: its part of the config, checked by the layer's own `check` (errors name the field).
+    for rule in ("linear", "deltanet", "gdn", "kda"):  # every rule: its fields are checked even when unused
+        c.mixer_part(rule).check(MemoryMixer.check)
+    if "S" in c.pattern:
+        c.attention_part().check(Attention.check)
     if "M" in c.pattern:
-        for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            positive(f)
-        if c.q_lora_rank is not None:
-            positive("q_lora_rank")
+        c.mla_part().check(MLA.check)
+    if c.num_experts > 0:
+        c.moe_part().check(MoE.check)
     if c.attnres_block < 0 or c.attnres_block > c.num_layers:
         _fail("attnres_block", f"must be 0 (plain residual) or a block size in [1, {c.num_layers}] layers, got {c.attnres_block}")
     if c.scan_period is not None and not 0 < c.scan_period <= c.num_layers:

@@ -52,54 +52,20 @@ def _norm(cfg: ModelConfig, rngs: nnx.Rngs):
 
 
 def make_mixer(cfg: ModelConfig, letter: str, *, rngs: nnx.Rngs):
+    """Layer ``letter``'s token mixer, built from its part of ``cfg`` (``ModelConfig.*_part``)."""
     kind = MIXERS[letter]
-    hd = cfg.resolved_head_dim
     if kind == "softmax":
-        # GPT-2's init (std 0.02, output scaled by depth) for the GPT-2 family: learned positions or
-        # LayerNorm (so GPT-2 without positions, or with RoPE, differs from GPT-2 in that alone).
-        gpt2_init = cfg.positions == "learned" or cfg.norm == "layernorm"
-        return Attention(cfg.d_model, num_heads=cfg.num_heads, head_dim=hd, num_kv_heads=cfg.num_kv_heads,
-                         use_bias=cfg.attn_bias, rngs=rngs, std=0.02 if gpt2_init else None,
-                         out_std=0.02 / (2 * cfg.num_layers) ** 0.5 if gpt2_init else None,
-                         rope_theta=cfg.rope_theta if cfg.positions == "rope" else None, decode_read=cfg.decode_read,
-                         attention_impl=cfg.attention_impl, yarn=cfg.yarn if cfg.positions == "rope" else None)
+        return Attention(**cfg.attention_part().kwargs, rngs=rngs)
     if kind == "mla":
-        return MLA(cfg.d_model, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-                   qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-                   v_head_dim=cfg.v_head_dim, use_rope=cfg.mla_rope, rope_theta=cfg.rope_theta,
-                   output_gate=cfg.mla_output_gate, rngs=rngs, decode_read=cfg.decode_read,
-                   attention_impl=cfg.attention_impl, yarn=cfg.yarn if cfg.mla_rope else None,
-                   softmax_scale=cfg.mla_softmax_scale)
-    return MemoryMixer(cfg.d_model, rule=kind, num_heads=cfg.num_heads, head_dim=hd,
-                       conv_size=0 if kind == "linear" else cfg.conv_size, kda_gate=cfg.kda_gate,
-                       gate_rank=cfg.kda_gate_rank, a_init=cfg.decay_a_init, options=cfg.memory_options,
-                       norm_eps=cfg.mixer_norm_eps, silu_v=cfg.silu_v,
-                       allow_neg_eigval=cfg.allow_neg_eigval and kind != "linear",
-                       num_v_heads=None if kind == "linear" else cfg.num_v_heads, rngs=rngs, **_output_gate(cfg, kind))
-
-
-def _output_gate(cfg: ModelConfig, kind: str) -> dict:
-    """The fixed-state mixers' output gate from the config (None: the rule's default)."""
-    if kind == "kda":
-        return dict(output_gate=cfg.kda_output_gate,
-                    output_gate_bias=cfg.kda_output_gate_bias and cfg.kda_output_gate != "none")
-    if kind == "gdn":
-        return (dict(output_gate="none") if cfg.gdn_output_gate == "none"
-                else dict(output_gate="full", gate_activation=cfg.gdn_output_gate))
-    return {}
+        return MLA(**cfg.mla_part().kwargs, rngs=rngs)
+    return MemoryMixer(**cfg.mixer_part(kind).kwargs, rngs=rngs)
 
 
 def make_ffn(cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
     if not moe:
         return MLP(cfg.d_model, cfg.ffn_hidden, kind=cfg.ffn_kind, rngs=rngs,
                    out_std=0.02 / (2 * cfg.num_layers) ** 0.5 if cfg.ffn_kind == "gelu" else None)
-    return MoE(cfg.d_model, num_experts=cfg.num_experts, top_k=cfg.top_k, expert_hidden=cfg.moe_hidden,
-               num_shared_experts=cfg.num_shared_experts,
-               shared_hidden=cfg.shared_hidden if cfg.num_shared_experts else None,
-               activation=cfg.moe_activation, routed_scaling_factor=cfg.routed_scaling_factor,
-               latent_dim=cfg.moe_latent_dim, dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor,
-               matmul_impl=cfg.moe_matmul_impl,
-               n_group=cfg.n_group, topk_group=cfg.topk_group, rngs=rngs)
+    return MoE(**cfg.moe_part().kwargs, rngs=rngs)
 
 
 # ---------------------------------------------------------------------------- residual streams

@@ -332,14 +332,49 @@ def test_attnres_first_read_is_the_embedding():
     ("chunk_size", 0), ("scan_period", 0), ("kv_lora_rank", 0), ("memory_backend", "triton"),
     ("positions", "alibi"), ("rope_theta", 0.0), ("rope_theta", "1e4"), ("rope_theta", float("inf")),
     ("decay_a_init", "slow"), ("decode_read", "einsum"),
+    # checked by the layers' own `check` on the config's parts, named as the config's fields
+    ("moe_hidden", 0), ("moe_activation", "gelu"), ("moe_latent_dim", 0), ("capacity_factor", 0.0),
+    ("kda_output_gate", "tanh"), ("num_v_heads", 3), ("conv_size", 1), ("kda_gate_rank", -2),
+    ("qk_nope_head_dim", 0), ("q_lora_rank", 0),
 ])
 def test_inconsistent_configs_name_the_field(field, value):
     base = get_config("tiny_kimi_linear") if field != "num_kv_heads" else get_config("tiny_gpt2")
     changes = {field: value}
     if field == "num_heads":
         changes["head_dim"] = None  # head_dim defaults to d_model // num_heads: 64 % 5 != 0
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"^ModelConfig.{field}: "):
         base.replace(**changes)
+
+
+@pytest.mark.parametrize("name", config_names())
+def test_every_layer_is_built_from_its_part_of_the_config(name):
+    """The Decoder's layers take exactly their part's arguments (``ModelConfig.*_part``); every part
+    passes its layer's ``check``, and every argument names a real config field."""
+    from lineage_jax.layers.attention import Attention
+    from lineage_jax.layers.memory_mixer import MemoryMixer
+    from lineage_jax.layers.mla import MLA
+    from lineage_jax.layers.moe import MoE
+    import dataclasses
+
+    cfg = get_config(name)
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    parts = [(cfg.mixer_part(r), MemoryMixer) for r in ("linear", "deltanet", "gdn", "kda")]
+    parts += [(cfg.attention_part(), Attention)] if "S" in cfg.pattern else []
+    parts += [(cfg.mla_part(), MLA)] if "M" in cfg.pattern else []
+    parts += [(cfg.moe_part(), MoE)] if cfg.num_experts else []
+    for part, layer in parts:
+        assert set(part.fields.values()) <= fields, part.layer
+        part.check(layer.check)
+    if name.startswith("tiny_"):
+        model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+        mixers = [b.mixer for g in model.groups for b in g.blocks]
+        for m in mixers:
+            if type(m).__name__ == "MemoryMixer":
+                assert m.options == cfg.mixer_part(m.rule).check(MemoryMixer.check)
+            else:
+                assert m.attention_impl == cfg.attention_impl and m.decode_read == cfg.decode_read
+        for _, _, moe in model.moe_layers():
+            assert (moe.num_experts, moe.top_k, moe.matmul_impl) == (cfg.num_experts, cfg.top_k, cfg.moe_matmul_impl)
 
 
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_mla"])
