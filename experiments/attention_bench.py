@@ -18,7 +18,6 @@ Usage::
 from __future__ import annotations
 
 import statistics
-import time
 import traceback
 
 import jax

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 from typing import Union
 
-import jax
 import numpy as np
 from flax import nnx
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Optional
+from typing import Any
 
 from lineage_jax.models.config import ModelConfig, get_config
 

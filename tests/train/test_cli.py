@@ -1,7 +1,6 @@
 """The train and generate CLIs: a smoke run of every tiny config, resume, generation, bad input."""
 
 import json
-import os
 
 import pytest
 
