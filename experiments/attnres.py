@@ -58,12 +58,13 @@ import numpy as np
 from flax import nnx
 
 from experiments import common as C
-from experiments import lm as LM
+from experiments import trainer as T
 from lineage_jax import accounting
 from lineage_jax.models import Decoder, ModelConfig
 from lineage_jax.models.decoder import residual_stream
 
 NAME = "attnres"
+VOCAB = 256  # the byte tokenizer
 REPORTED_ADVANTAGE = 1.25  # Kimi's Attention Residuals report
 
 
@@ -112,7 +113,7 @@ def make_budget(quick: bool, layers=None, block=None, steps=None, lrs=None, base
 
 
 def model_config(b: Budget, attnres: bool) -> ModelConfig:
-    return ModelConfig(name=f"AttnRes (blocks of {b.block})" if attnres else "plain residual", vocab_size=LM.VOCAB,
+    return ModelConfig(name=f"AttnRes (blocks of {b.block})" if attnres else "plain residual", vocab_size=VOCAB,
                        d_model=b.d_model, pattern="S" * b.layers, num_heads=b.d_model // b.head_dim,
                        head_dim=b.head_dim,
                        positions="learned", max_seq_len=b.seq_len, ffn_hidden=4 * b.d_model,
@@ -227,11 +228,11 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, layers: Option
     plan = [(name, cfg, b.steps) for name, cfg in configs.items()]
     plan += [(f"plain x{m:g}", configs["plain"], round(m * b.steps)) for m in b.baseline_budgets]
     longest = max(s for _, _, s in plan)
-    train = LM.text_rows("train", b.seq_len, longest * b.batch)
-    val = LM.text_rows("val", b.seq_len, b.val_rows)
+    train = T.text_rows("train", b.seq_len, longest * b.batch)
+    val = T.text_rows("val", b.seq_len, b.val_rows)
 
     t_start = time.perf_counter()
-    sweeps = [(name, LM.LMSweep(cfg, lrs=b.lrs, steps=s, batch=b.batch, seed=seed, log_every=b.steps // b.evals))
+    sweeps = [(name, T.LMSweep(cfg, lrs=b.lrs, steps=s, batch=b.batch, seed=seed, log_every=b.steps // b.evals))
               for name, cfg, s in plan]
     probe_tokens = val["tokens"][: b.probe_rows]
     partial = dict(C.provenance(NAME, quick), budget=dataclasses.asdict(b))
@@ -244,7 +245,7 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, layers: Option
                 profiles[name].pop("logits")
         C.save_partial(dict(partial, finished=done, profiles=profiles), NAME, out)
 
-    results = LM.run_sweeps(sweeps, train, val, "attnres", compile_workers, on_result=on_result)
+    results = T.run_sweeps(sweeps, train, val, "attnres", compile_workers, on_result=on_result)
     models = {name: dict(results[name], label=cfg.name, params=accounting.param_counts(cfg)["total"], **profiles[name])
               for name, cfg in configs.items()}
     extensions = {m: results[f"plain x{m:g}"] for m in b.baseline_budgets}

@@ -47,21 +47,16 @@ training), about 7 minutes on one H200 (409 s, 2026-11-29).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from experiments import architectures as A
 from experiments import common as C
-from experiments import trainer as T
+from experiments.trainer import LMSweep, run_sweeps, text_rows  # noqa: F401 (this script's tools, shared)
 from lineage_jax import accounting
-from lineage_jax import data as D
 from lineage_jax.models import ModelConfig
 
 NAME = "lm"
@@ -116,93 +111,6 @@ def make_budget(quick: bool, archs=None, steps=None, lrs=None, match=None, ablat
     steps = steps or b.steps
     return dataclasses.replace(b, archs=archs, steps=steps, lrs=tuple(float(lr) for lr in (lrs or b.lrs)),
                                match=match or b.match, ablation=bool(ablation))
-
-
-# ----------------------------------------------------------------------------
-# Text rows and validation loss (shared with experiments.attnres).
-# ----------------------------------------------------------------------------
-@functools.lru_cache(maxsize=4)
-def text_rows(split: str, seq_len: int, rows: int) -> dict:
-    """``rows`` packed rows of the corpus ``split`` (byte tokens), spread evenly over it, on the device.
-
-    Fewer when the split is smaller (the validation split: ~250K bytes on CPython 3.11).
-    """
-    source = D.PackedSource(D.tokenize_corpus(D.load_corpus(None, split), "byte"), seq_len)
-    picked = [source[int(i)] for i in np.unique(np.linspace(0, len(source) - 1, min(rows, len(source))).astype(int))]
-    return jax.device_put(T.stack_rows(picked, len(picked)))
-
-
-class LMSweep(T.LRSweep):
-    """An :class:`~experiments.trainer.LRSweep` that also scores the masked next-token loss of every
-    copy on fixed rows, with that program compiled ahead (``compile(..., val_rows=M)``) like the rest."""
-
-    def _val_exe(self, rows: int, seq_len: int):
-        def lower():
-            f = self._programs()
-            graphdef, rows_per_batch = f["graphdef"], self.eval_rows_per_batch(rows, seq_len)
-
-            def losses(params, rest, data):
-                def nll_sum(params, rest, d):
-                    logits = nnx.merge(graphdef, params, rest)(d["tokens"])
-                    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-                    nll = -jnp.take_along_axis(logp, d["targets"][..., None], axis=-1)[..., 0]
-                    return jnp.sum(nll * d["mask"])
-
-                batched = {k: v.reshape(-1, rows_per_batch, *v.shape[1:]) for k, v in data.items()}
-                sums = jax.lax.map(lambda d: jax.vmap(nll_sum, in_axes=(0, 0, None))(params, rest, d), batched)
-                return sums.sum(0) / jnp.maximum(data["mask"].sum(), 1.0)
-
-            shape = f["state_shape"]
-            return jax.jit(losses).lower(shape.params, shape.rest, self._data_shapes(rows, seq_len))
-        return self._executable(("val", rows, seq_len), lower)
-
-    def compile(self, train_rows: int, seq_len: int, eval_shapes=(), val_rows: Optional[int] = None) -> "LMSweep":
-        super().compile(train_rows, seq_len, eval_shapes)
-        if val_rows:
-            self._val_exe(val_rows, seq_len)
-        return self
-
-    def val_loss(self, data: dict) -> np.ndarray:
-        """Per copy: mean masked next-token loss (nats per token) over all rows of ``data``."""
-        if self.states is None:
-            raise RuntimeError("LMSweep.val_loss: call train first")
-        rows, seq_len = data["tokens"].shape
-        exe = self._val_exe(rows, seq_len)
-        return np.asarray(exe(self.states.params, self.states.rest, {k: data[k] for k in T.FIELDS}))
-
-
-def train_with_curve(sweep: LMSweep, train: dict, val: dict, bar=None) -> dict:
-    """Train ``sweep`` on ``train`` scoring ``val`` after every chunk; the best lr's curves and scores."""
-    points = []
-    t0 = time.perf_counter()
-    train_losses = sweep.train(train, bar=bar, on_chunk=lambda step: points.append((step, sweep.val_loss(val))))
-    train_s = time.perf_counter() - t0
-    val_steps = [s for s, _ in points]
-    val_LC = np.stack([v for _, v in points])  # [evals, copies]
-    best = int(np.argmin(val_LC[-1]))
-    return {"lrs": list(sweep.lrs), "val_loss_per_lr": val_LC[-1], "best_lr": sweep.lrs[best],
-            "val_loss": float(val_LC[-1, best]), "val_steps": val_steps, "val_curve": val_LC[:, best],
-            "train_steps": [sweep.chunk * (i + 1) for i in range(len(train_losses))],
-            "train_curve": train_losses[:, best], "train_s": train_s, "best_copy": best}
-
-
-def run_sweeps(plan: Sequence[tuple[str, LMSweep]], train: dict, val: dict, desc: str,
-               compile_workers: Optional[int] = None,
-               on_result: Optional[Callable[[dict], None]] = None) -> dict[str, dict]:
-    """Train every ``(name, sweep)`` of ``plan`` (compiling ahead in threads); ``{name: train_with_curve(...)}``.
-
-    ``on_result(results so far)`` runs after each sweep (the scripts save a partial JSON there)."""
-    seq_len = train["tokens"].shape[1]
-    jobs = [(sweep, dict(train_rows=train["tokens"].shape[0], seq_len=seq_len, val_rows=val["tokens"].shape[0]))
-            for _, sweep in plan]
-    bar = C.progress(desc=desc, total=sum(sweep.steps for _, sweep in plan), unit="step")
-    results = {}
-    for (name, _), (sweep, compile_s) in zip(plan, T.compiled_ahead(jobs, compile_workers)):
-        results[name] = dict(train_with_curve(sweep, train, val, bar), compile_s=compile_s)
-        if on_result is not None:
-            on_result(results)
-    bar.close()
-    return results
 
 
 def bits_per_byte(nats: float) -> float:
