@@ -162,7 +162,8 @@ def test_stacked_layers_are_independently_initialised():
     assert w.shape[0] >= 2 and not np.allclose(w[0], w[1])
 
 
-@pytest.mark.parametrize("policy", ["dots", "full", True])
+# (True is the legacy spelling of "full": test_remat_policy_names checks the mapping; -m slow runs it here too)
+@pytest.mark.parametrize("policy", ["dots", "full", pytest.param(True, marks=pytest.mark.slow)])
 def test_remat_gives_same_loss_and_grads(policy):
     """Every remat policy (and the legacy ``remat=True``) computes the same gradients as none."""
     cfg = get_config("tiny_kda").replace(pattern="KM", **dict(kv_lora_rank=32, qk_nope_head_dim=16,
@@ -271,7 +272,7 @@ def _attnres_naive(sources, query):
     return jnp.einsum("nbt,nbtd->btd", w, srcs)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_attnres_stream_matches_the_definition_forward_and_gradients(seed):
     """init / write / seal / read (cached 1/RMS, one-slot seal) against the naive softmax over an
     explicit source list, on fresh random inputs — reads after every write, with empty slots left
