@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests._jaxpr import live_pallas_calls
+
 from kernels.delta import api as kd
 from kernels.delta import reference as kref
 
@@ -214,26 +216,6 @@ def test_value_blocks_narrower_than_the_value_dim(bv):
         assert rel_err(a, b) <= 1e-4
 
 
-def _live_pallas_calls(jaxpr) -> int:
-    """Kernel launches left in a jaxpr after JAX's dead-code elimination, nested jaxprs included."""
-    from jax._src.interpreters import partial_eval as pe
-    jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
-
-    def count(j):
-        n = 0
-        for e in j.eqns:
-            if e.primitive.name == "pallas_call":
-                n += 1
-                continue
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        n += count(inner)
-        return n
-    return count(jaxpr)
-
-
 @pytest.mark.parametrize("policy", ["names", "nothing"])
 def test_remat_runs_each_kernel_once_when_the_residuals_are_saved(policy):
     """Under ``jax.checkpoint`` with the kernels' named residuals saved, the backward pass reruns
@@ -249,7 +231,7 @@ def test_remat_runs_each_kernel_once_when_the_residuals_are_saved(policy):
         o, _ = kd.chunk_kda(q, k, v, g, beta, target="gpu", interpret=True)
         return jnp.sum(jnp.sin(o))
     jaxpr = jax.make_jaxpr(jax.value_and_grad(jax.checkpoint(f, policy=pol)))(q).jaxpr
-    assert _live_pallas_calls(jaxpr) == {"names": 6, "nothing": 9}[policy]
+    assert live_pallas_calls(jaxpr) == {"names": 6, "nothing": 9}[policy]
 
 
 def test_anchored_bwd_rejects_unknown_value():

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from lineage_jax.layers import grouped as GR
 from lineage_jax.layers import grouped_pallas as GP
+from tests._jaxpr import live_pallas_calls
 from tests._numerics import fp32_matmuls, rel_err  # noqa: F401 (fp32_matmuls: fixture)
 
 
@@ -176,8 +177,6 @@ def test_remat_keeps_the_named_outputs(policy):
     runs its 3 forward kernels once and 2 backward kernels per matmul (9 launches); saving nothing
     reruns the forward ones (12). The group sizes are a constant closed over by the checkpointed
     function (checked without tracing them)."""
-    from jax._src.interpreters import partial_eval as pe
-
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(40, 32)), jnp.float32)
     wg, wu = (jnp.asarray(rng.normal(size=(3, 32, 16)), jnp.float32) for _ in range(2))
@@ -190,16 +189,4 @@ def test_remat_keeps_the_named_outputs(policy):
         return jnp.sum(jnp.sin(GR.grouped_glu_mlp(x, wg, wu, wd, gs, "swiglu", impl="pallas")))
 
     jaxpr = jax.make_jaxpr(jax.value_and_grad(jax.checkpoint(f, policy=pol)))(x).jaxpr
-    jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
-
-    def count(j):
-        n = 0
-        for e in j.eqns:
-            n += e.primitive.name == "pallas_call"
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        n += count(inner)
-        return n
-    assert count(jaxpr) == {"names": 9, "nothing": 12}[policy]
+    assert live_pallas_calls(jaxpr) == {"names": 9, "nothing": 12}[policy]

@@ -1,0 +1,21 @@
+"""Jaxpr inspection shared by the kernel tests (imports nothing from lineage_jax)."""
+
+
+def live_pallas_calls(jaxpr) -> int:
+    """Kernel launches left in a jaxpr after JAX's dead-code elimination, nested jaxprs included."""
+    from jax._src.interpreters import partial_eval as pe
+    jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+
+    def count(j):
+        n = 0
+        for e in j.eqns:
+            if e.primitive.name == "pallas_call":
+                n += 1
+                continue
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        n += count(inner)
+        return n
+    return count(jaxpr)
