@@ -375,14 +375,16 @@ def plot(record: dict):
 
 def merged(sources: list, out: str) -> dict:
     """One record from earlier calls' records (same model size): their results in order, each
-    result tagged with its source's date and commit."""
+    result tagged with its source's date and commit (a result that carries its own tags — from an
+    earlier merge — keeps them)."""
     records = C.load_records(NAME, sources)
     for src, rec in zip(sources[1:], records[1:]):
         if rec["size"] != records[0]["size"] or rec["quick"] != records[0]["quick"]:
             raise ValueError(f"merge: {src!r} measured another model size than {sources[0]!r}")
     results = []
     for rec in records:
-        results += [dict(r, date=rec["date"], git_commit=rec["git_commit"]) for r in rec["results"]]
+        results += [dict(r, date=r.get("date", rec["date"]), git_commit=r.get("git_commit", rec["git_commit"]))
+                    for r in rec["results"]]
     record = {k: v for k, v in records[-1].items() if k not in ("files", "results")}
     record.update(results=results, merged_from=[{"date": r["date"], "git_commit": r["git_commit"],
                                                  "git_dirty": r["git_dirty"]} for r in records])

@@ -20,12 +20,16 @@ def test_train_bench_quick_runs_and_compares_to_the_reference(tmp_path):
     assert all(l == l for l in rows["softmax"]["losses"])  # finite, not NaN
     saved = json.loads((tmp_path / "train_bench" / "train_bench.json").read_text())
     assert saved["results"][1]["row"] == "softmax" and (tmp_path / "train_bench" / "train_bench.png").stat().st_size
-    # --merge joins records of the same size (here the record and a copy with one row), in order
+    # --merge joins records of the same size (here the record and a copy with one row, tagged by an
+    # earlier merge: its tags stay), in order
     first = tmp_path / "train_bench" / "train_bench.json"
-    (tmp_path / "b.json").write_text(json.dumps(dict(saved, results=saved["results"][1:])))
+    tagged = [dict(r, git_commit="abc1234", date="2026-01-01") for r in saved["results"][1:]]
+    (tmp_path / "b.json").write_text(json.dumps(dict(saved, results=tagged)))
     joined = train_bench.run(out=str(tmp_path / "m"), merge=[str(first), str(tmp_path / "b.json")])
     assert [r["row"] for r in joined["results"]] == ["reference", "softmax", "softmax"]
     assert len(joined["merged_from"]) == 2 and all("git_commit" in r for r in joined["results"])
+    assert joined["results"][0]["git_commit"] == saved["git_commit"] and joined["results"][0]["date"] == saved["date"]
+    assert joined["results"][2]["git_commit"] == "abc1234" and joined["results"][2]["date"] == "2026-01-01"
     (tmp_path / "c.json").write_text(json.dumps(dict(saved, size=dict(saved["size"], d_model=1))))
     with pytest.raises(ValueError, match="another model size"):
         train_bench.run(out=str(tmp_path / "m2"), merge=[str(first), str(tmp_path / "c.json")])
