@@ -10,9 +10,8 @@ wgmma tiles) that cannot share a body with Mosaic TPU and has no interpret mode
 that runs on the CPU. The math lives in
 :mod:`kernels.delta.tiles`, so a Mosaic GPU backend can be swapped in later. GPU chunks
 are 32 tokens (two 16-row tiles): Triton's compile time grows steeply with the unrolled
-tile pairs (see :func:`default_chunk`). Measured on an H200 (docs/benchmarks.md):
-DeltaNet fwd+bwd 4.4–4.6× faster than the XLA chunked form but 1.5–2.5× slower than
-fla's Triton kernels; KDA 3.5–3.7× faster than XLA, 2.5–2.7× slower than fla.
+tile pairs (see :func:`default_chunk`). Measured on an H200 against fla's Triton kernels in
+the same process: docs/benchmarks.md.
 
 TPU: Mosaic. Tensors go head-major ``[B, H, T, D]`` so every block's last two
 dims are ``(C, 128·m)`` (chunk rows × lanes; K and V are padded to 128) or equal
@@ -24,8 +23,12 @@ triangle matmuls and the solve is forward substitution on 16×16 tiles.
 Gate kinds (:class:`~kernels.delta.tiles.Cfg` ``gate``): "none" (DeltaNet), "scalar" (Gated
 DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is one
 ``[16, 16]`` ``exp`` of in-tile differences — DeltaNet's cost plus a few small elementwise
-ops) and "channel" (KDA: exact 16-step loops on the diagonal tiles, or, with
-``gate_lower_bound``, one anchored matmul per diagonal tile).
+ops) and "channel" (KDA: a 16×16 diagonal tile is one matmul anchored at its middle row when
+its gates keep ``|G_i − G_mid| <= 64`` — always with ``gate_lower_bound``; on GPUs the exact
+kernels decide it per tile at run time (``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an
+exact 16-step loop on the tiles whose gates are steeper. Measured on one H200 (bf16, B 2,
+T 8192, H 16, D 128): the exact KDA forward 4.99 → 1.91 ms against 1.25 ms for fla in the
+same process, intra-chunk forward kernel 3.91 → 1.32 ms, with the benchmark's gates ``>= −0.2``).
 
 Entry points: :func:`chunk_delta_rule`, :func:`chunk_gated_delta_rule`,
 :func:`chunk_kda` — ``[B, T, H, D]`` in, ``(o [B, T, H, V], S [B, H, K, V] f32)``
@@ -59,10 +62,11 @@ except Exception:  # pragma: no cover
 
 Array = jax.Array
 TARGETS = ("gpu", "tpu")
-# Bounded-gate KDA backward on GPUs: which intra-chunk backward kernels anchor their diagonal tiles at
-# the middle row (one matmul) instead of the exact 16-step loop — "none" (the exact loop in both),
-# "scores" (GPU default: the dq/dk/dg kernel only) or "both" (the back-solve's KK too). Same residuals,
-# same gradients up to rounding. Measured on one H200 (bf16, B 2, T 8192, H 16, D 128, with bv = 32):
+# KDA backward on GPUs: which intra-chunk backward kernels anchor their diagonal tiles at the middle row
+# (one matmul: always with bounded gates, where the tile's gates allow it with exact gates) instead of
+# the exact 16-step loop — "none" (the exact loop in both), "scores" (GPU default: the dq/dk/dg kernel
+# only) or "both" (the back-solve's KK too). Same residuals, same gradients up to rounding. Measured on
+# one H200 for bounded gates (bf16, B 2, T 8192, H 16, D 128, with bv = 32):
 # fwd+bwd 7.95 ms with "scores" against 8.98 ms with "none"; ptxas: the anchored scores kernel spills
 # 1.8 KB per thread (exact 1.3 KB), the anchored back-solve 2.1 KB (exact 84 B), so "both" is not the
 # default. The TPU flavour anchors both (no VPU loops).
@@ -298,7 +302,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, ut, dut, do, h, dh):
             in_specs=specs + [tv, tv, tv, chv, chv], out_specs=out_specs[:2] + [tv] + out_specs[2:],
             out_shape=outs[:2] + [sh(V, v.dtype)] + outs[2:], semantics=par)(*args, ut, dut, do, h, dh)
         return (dq, dk, dv, dbeta, *dg)
-    exact = dataclasses.replace(s.cfg, gate_bound=None)
+    exact = dataclasses.replace(s.cfg, gate_bound=None, anchor_when_safe=False)
     cfg_solve = s.cfg if s.anchored_bwd == "both" else exact
     cfg_scores = s.cfg if s.anchored_bwd in ("scores", "both") else exact
     dv, dbp, dkk, dru = _call(
@@ -447,7 +451,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         solve_prec = lax.Precision.DEFAULT if low else f32_prec  # DEFAULT = tf32 on Triton
     cfg = Cfg(chunk=C, gate=gate or "none", docs=segment_ids is not None, scale=float(scale),
               mm_dtype=io_dtype if low else F32, mm_prec=None if low else f32_prec,
-              solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound)
+              solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound,
+              anchor_when_safe=(target == "gpu"))
     if anchored_bwd is None:
         anchored_bwd = "both" if target == "tpu" else "scores"
     if anchored_bwd not in ANCHORED_BWD:
@@ -556,9 +561,10 @@ _BOUND_DOC = """      gate_lower_bound: opt-in bounded-gate mode (e.g. ``-5.0`` 
         loop. Concrete gates are checked (``ValueError`` if violated); traced gates (under
         ``jit``) cannot be — gates below the bound then give wrong results (inf/NaN), so bound
         them by construction. ``None`` (default): the exact kernels, safe for any gate.
-      anchored_bwd (launch knob, bounded gates only): ``"none"`` (the backward's diagonal
-        tiles run the exact loop), ``"scores"`` (GPU default) or ``"both"`` (TPU default):
-        see ``ANCHORED_BWD``.
+      anchored_bwd (launch knob): ``"none"`` (the backward's diagonal tiles run the exact
+        loop), ``"scores"`` (GPU default) or ``"both"`` (TPU default): which backward kernels
+        anchor diagonal tiles (bounded gates: all; exact gates on GPUs: those whose gates allow
+        it); see ``ANCHORED_BWD``.
 """
 chunk_kda.__doc__ = ("Kimi Delta Attention (``g [B, T, H, K]`` per-channel log-decay: decay, then erase), by "
                      "Pallas kernels." + _DOC.replace("    Returns:", _BOUND_DOC + "    Returns:"))

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .tiles import (
-    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, get_col, get_diag, iota, load_rows, mm, prefix_sum, row_to_col, col_to_row,
+    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, get_col, get_diag, iota, load_rows, mm, prefix_sum, row_to_col,
     scores, sm, solve_backward, solve_forward, store_rows, ut_system,
 )
 
@@ -266,24 +266,27 @@ def _bwd_scores(cfg: Cfg, ch: Chunk, r, do_ref, ut_ref, h_ref, dh_ref, dKK, get_
             dkL[I] = dkL[I] + _mul(_mul(sm(cfg, dKK[I][J], Rk[J]), mij), ch.fL[I])
             dkR[J] = dkR[J] + _mul(_mul(mm(cfg, dM[I][J], Lq[I], ta=True) + sm(cfg, dKK[I][J], Lk[I], ta=True),
                                         mij), ch.fR[J])
-        if cfg.gate_bound is not None:
+
+        def anchored_tile(I=I):
             # anchored at the middle row: Γ_ij = e^{P_i − P_m} e^{P_m − P_j}; dM, dKK are already masked
-            up, down = ch.anc[I]
-            dqS[I] = dqS[I] + mm(cfg, dM[I][I], k[I] * down) * up
-            dkL[I] = dkL[I] + sm(cfg, dKK[I][I], k[I] * down) * up
-            dkR[I] = dkR[I] + (mm(cfg, dM[I][I], q[I] * up, ta=True) + sm(cfg, dKK[I][I], k[I] * up, ta=True)) * down
-            continue
+            up, down = ch.anchor_factors(I)
+            return (dqS[I] + mm(cfg, dM[I][I], k[I] * down) * up,
+                    dkL[I] + sm(cfg, dKK[I][I], k[I] * down) * up,
+                    dkR[I] + (mm(cfg, dM[I][I], q[I] * up, ta=True) + sm(cfg, dKK[I][I], k[I] * up, ta=True)) * down)
 
-        def body(j, gam, c, I=I):
-            dq_, dkl_, dkr_ = c
-            kj = load_rows(r["k"], I * SUB + j, 1)
-            dmc = get_col(dM[I][I], j)
-            dkc = get_col(dKK[I][I], j)
-            kg = kj * gam
-            right = jnp.sum((dmc * q[I] + dkc * k[I]) * gam, axis=0, keepdims=True)
-            return dq_ + dmc * kg, dkl_ + dkc * kg, dkr_ + jnp.where(ch.r16 == j, right, 0.0)
+        def exact_tile(I=I):
+            def body(j, gam, c):
+                dq_, dkl_, dkr_ = c
+                kj = load_rows(r["k"], I * SUB + j, 1)
+                dmc = get_col(dM[I][I], j)
+                dkc = get_col(dKK[I][I], j)
+                kg = kj * gam
+                right = jnp.sum((dmc * q[I] + dkc * k[I]) * gam, axis=0, keepdims=True)
+                return dq_ + dmc * kg, dkl_ + dkc * kg, dkr_ + jnp.where(ch.r16 == j, right, 0.0)
 
-        dqS[I], dkL[I], dkR[I] = ch.diag_loop(I, body, (dqS[I], dkL[I], dkR[I]))
+            return ch.diag_loop(I, body, (dqS[I], dkL[I], dkR[I]))
+
+        dqS[I], dkL[I], dkR[I] = ch.diag_tile(I, anchored_tile, exact_tile)
 
     # -- the state pass's per-chunk inputs, and assemble: dq with S (dO Sᵀ), then dk with dS (Ũ dSᵀ)
     # and β ⊙ dR_w, tile by tile — never both [K, V] states nor all [16, K] partials live at once.

@@ -28,10 +28,12 @@ factor the same way: documents are monotone in the token index, so
 
 Gate kinds (``Cfg.gate``), one mechanism:
 
-* ``"channel"`` (KDA): the factors above are ``[16, K]`` and multiply the operands; diagonal
-  tiles loop over their 16 columns (exact for any gate) or, with ``Cfg.gate_bound`` (every
-  gate ``>= bound >= -8``), are one matmul anchored at the tile's middle row ``m``:
-  ``(q ⊙ e^{P − P_m})(k ⊙ e^{P_m − P})ᵀ``, exponents ``<= 8·|bound|``, masked after the matmul.
+* ``"channel"`` (KDA): the factors above are ``[16, K]`` and multiply the operands; a diagonal
+  tile is one matmul anchored at its middle row ``m``, ``(q ⊙ e^{P − P_m})(k ⊙ e^{P_m − P})ᵀ``
+  masked after the matmul, when its exponents stay ``<= 64`` (``ANCHOR_SPAN``) — always with
+  ``Cfg.gate_bound`` (every gate ``>= bound >= -8``), per tile at run time with
+  ``Cfg.anchor_when_safe`` (:meth:`Chunk.diag_tile`) — and otherwise loops over its 16 columns
+  (exact for any gate).
 * ``"scalar"`` (Gated DeltaNet) and ``"none"`` (DeltaNet): the factors are ``[16, 1]`` columns,
   so the decay of a whole score tile is a ``[16, 16]`` matrix (:meth:`Chunk.decay`) applied to
   the plain ``l rᵀ`` product; the diagonal tile's is ``exp`` of in-tile differences behind a
@@ -52,6 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 SUB = 16  # tile rows: the diagonal blocks of the solve
+ANCHOR_SPAN = 64.0  # largest |P_i − P_m| of an anchored diagonal tile: 8 rows of gates >= -8 (api.MIN_GATE_BOUND)
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 
@@ -72,6 +75,8 @@ class Cfg:
     solve_prec: Any       # precision of the f32 matmuls of A and the solve
     unroll: bool = False  # Python-unroll the 16-step inner loops (TPU) or lax.fori_loop them (GPU, CPU)
     gate_bound: Optional[float] = None  # "channel" only: every gate >= gate_bound (>= -8): anchored diagonal tiles
+    anchor_when_safe: bool = False  # "channel", exact gates: anchor each diagonal tile whose gates allow it
+                                    # (a per-tile branch, Chunk.anchor_safe), the 16-step loop elsewhere
 
     @property
     def nb(self) -> int:
@@ -268,6 +273,8 @@ class Chunk:
         self.cfg = cfg
         nb = cfg.nb
         self.r16 = iota((SUB, 1), 0)
+        # per-channel gates whose diagonal tiles always run the exact loop: sequential prefix sums
+        self.seq_prefix = cfg.channel and cfg.gate_bound is None and not cfg.anchor_when_safe
         self._decay = {}
         # ---- documents
         if cfg.docs:
@@ -303,11 +310,11 @@ class Chunk:
             for I in reversed(range(nb)):
                 after[I] = acc
                 acc = tot[I] if acc is None else acc + tot[I]
-            # P_I[i] = Σ_{a_I < t <= i} g_t ("channel": also + g_{a_I}; `base` removes it).
-            base = ga if cfg.gate == "channel" else [None] * nb
+            # P_I[i] = Σ_{a_I < t <= i} g_t: the anchor row's own gate is left out, so a huge gate there
+            # costs no precision in the in-tile differences.
 
             def with_a(I):  # Σ_{a_I <= t <= i}
-                return P[I] if cfg.gate == "channel" else ga[I] + P[I]
+                return ga[I] + P[I]
 
             def m(IJ):
                 I, J = IJ
@@ -326,7 +333,7 @@ class Chunk:
             self.Eout = Lazy(lambda I: _mul(jnp.exp((span[I] - P[I]) if after[I] is None
                                                     else after[I] + (span[I] - P[I])), last[I]))
             self.d_end = _mul(jnp.exp(total), sees_last)                                       # [1, K|1]
-            self.fL = Lazy(lambda I: _mul(jnp.exp(P[I] if base[I] is None else P[I] - base[I]), mL[I]))
+            self.fL = Lazy(lambda I: _mul(jnp.exp(P[I]), mL[I]))
             self.fR = Lazy(lambda I: _mul(jnp.exp(span[I] - P[I]), mR[I]))                      # e^{G_b - G_J}
             self.m = Lazy(m)
         else:
@@ -339,41 +346,67 @@ class Chunk:
                 for J in range(I):
                     self.m[I, J] = None if not cfg.docs else (self.doc_a[I] == self.doc_b[J]).astype(F32)
         if cfg.channel and cfg.gate_bound is not None:
-            # Bounded gates: anchor each diagonal tile at its middle row m, |P_i − P_m| <= 8·|bound| <= 64,
-            # so q ⊙ e^{P − P_m} and k ⊙ e^{P_m − P} stay finite and normal in f32 and bf16 (the masked
-            # upper triangle may overflow: it is dropped by a `where`, never multiplied).
-            def anc(I):
-                pm = get_row(self.P[I], SUB // 2)
-                return jnp.exp(self.P[I] - pm), jnp.exp(pm - self.P[I])
-            self.anc = Lazy(anc)
+            self._anc = Lazy(self._anchor_factors)  # every diagonal tile anchored: computed once
         if not cfg.channel:
             self.fR_row = Lazy(lambda J: None if self.fR[J] is None else col_to_row(self.fR[J]))
             if cfg.gate == "scalar":
                 self.P_row = [col_to_row(p) for p in self.P]
 
-    def _prefix_channel(self, g_ref):
-        """Per-channel in-tile prefix sums ``P_I[i] = Σ_{a_I <= t <= i} g_t`` ``[16, K]``.
+    def anchor_factors(self, I):
+        if self.cfg.gate_bound is not None:
+            return self._anc[I]
+        return self._anchor_factors(I)  # inside a branch of diag_tile: not cached
 
-        Exact gates: row by row (sequential f32 adds; the diagonal loops redo the same adds, so
-        ``P_I[j] −`` (their row ``j``) is exactly 0). Bounded gates: one triangle matmul (:func:`tri_dot`).
-        """
-        cfg = self.cfg
-        P, tot, ga = [], [], []
-        K = g_ref.shape[-1]
-        for I in range(cfg.nb):
-            if cfg.gate_bound is not None:
-                tile = tri_dot(iota((SUB, SUB), 1) <= iota((SUB, SUB), 0), load_rows(g_ref, I * SUB, SUB))
-                acc = get_row(tile, SUB - 1)
+    def _anchor_factors(self, I):
+        """Diagonal tile ``I`` anchored at its middle row ``m``: ``(e^{P − P_m}, e^{P_m − P})``. With
+        ``|P_i − P_m| <= ANCHOR_SPAN`` (bounded gates: ``8·|bound| <= 64``) both stay finite and normal
+        in f32 and bf16 (the masked upper triangle may overflow: it is dropped by a `where`, never
+        multiplied)."""
+        pm = get_row(self.P[I], SUB // 2)
+        return jnp.exp(self.P[I] - pm), jnp.exp(pm - self.P[I])
+
+    def anchor_safe(self, I):
+        """Scalar bool: every channel's gates in tile ``I`` keep ``|P_i − P_m| <= ANCHOR_SPAN`` (gates
+        ``<= 0``: the in-tile prefix is monotone, so its ends bound it). False for NaN gates."""
+        P = self.P[I]
+        pm = get_row(P, SUB // 2)
+        lo = jnp.minimum(pm - get_row(P, 0), get_row(P, SUB - 1) - pm)  # [1, K], <= 0
+        return jnp.min(lo) >= -ANCHOR_SPAN
+
+    def _prefix_channel(self, g_ref):
+        """Per-channel in-tile prefix sums ``P_I[i] = Σ_{a_I < t <= i} g_t`` ``[16, K]`` (the anchor
+        row's own gate left out, as for scalar gates). Kernels that always run the exact diagonal
+        loop: sequential adds (:meth:`_seq_prefix`, which the loop redoes); kernels that may anchor:
+        one triangle matmul (:func:`tri_dot`)."""
+        P, tot, ga, span = [], [], [], []
+        r, c = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
+        for I in range(self.cfg.nb):
+            if self.seq_prefix:
+                tile = self._seq_prefix(I)
             else:
-                def body(j, carry, I=I):
-                    acc, tile = carry
-                    acc = acc + load_rows(g_ref, I * SUB + j, 1)
-                    return acc, jnp.where(self.r16 == j, acc, tile)
-                acc, tile = loop(cfg.unroll, 0, SUB, body, (jnp.zeros((1, K), F32), jnp.zeros((SUB, K), F32)))
+                tile = tri_dot((c <= r) & (c >= 1), load_rows(g_ref, I * SUB, SUB))
+            a = load_rows(g_ref, I * SUB, 1)                                   # [1, K]
+            sp = get_row(tile, SUB - 1)                                        # [1, K] = P_I[15]
             P.append(tile)
-            tot.append(acc)                                                    # = P_I[15]
-            ga.append(load_rows(g_ref, I * SUB, 1))                            # = P_I[0]
-        return P, tot, ga, tot
+            ga.append(a)
+            span.append(sp)
+            tot.append(a + sp)
+        return P, tot, ga, span
+
+    def _seq_add(self, I, j, acc):
+        """``acc + g_j`` (``+ 0`` for the anchor row ``j = 0``): one step of :meth:`_seq_prefix`."""
+        return acc + jnp.where(j == 0, 0.0, load_rows(self.g_ref, I * SUB + j, 1))
+
+    def _seq_prefix(self, I):
+        """``P_I`` by sequential f32 adds, row by row (what :meth:`diag_loop` redoes per column)."""
+        K = self.g_ref.shape[-1]
+
+        def body(j, c):
+            acc, tile = c
+            acc = self._seq_add(I, j, acc)
+            return acc, jnp.where(self.r16 == j, acc, tile)
+
+        return loop(self.cfg.unroll, 0, SUB, body, (jnp.zeros((1, K), F32), jnp.zeros((SUB, K), F32)))[1]
 
     def _prefix_scalar(self, g_ref):
         """Scalar gates: ``P_I[i] = Σ_{a_I < t <= i} g_t`` ``[16, 1]`` (the anchor row's own gate left
@@ -438,22 +471,36 @@ class Chunk:
         self._decay[key] = d
         return d
 
+    def diag_tile(self, I, anchored, exact):
+        """Per-channel gates: the diagonal tile ``I``'s ``anchored()`` form (bounded gates), its ``exact()``
+        16-step loop, or — ``anchor_when_safe`` — whichever :meth:`anchor_safe` allows, decided per tile
+        at run time (``lax.cond``: one branch runs). Both return the same values up to rounding."""
+        cfg = self.cfg
+        if cfg.gate_bound is not None:
+            return anchored()
+        if cfg.anchor_when_safe:
+            return lax.cond(self.anchor_safe(I), anchored, exact)
+        return exact()
+
     def diag_loop(self, I, body, carry):
         """Run ``body(j, gam_j, carry)`` for the 16 columns ``j`` of diagonal tile ``I``.
 
         ``gam_j [16, K]`` is ``exp(G_i − G_j)`` for rows ``i >= j`` of ``j``'s document,
-        else exactly 0 (masked before the ``exp``): safe for any gate magnitude.
+        else exactly 0 (masked before the ``exp``): safe for any gate magnitude. Its own prefix
+        sums are sequential f32 adds, redone in the same order for column ``j``'s, so that
+        ``Γ_jj = e^0 = 1`` exactly.
         """
         cfg = self.cfg
         K = self.P[I].shape[-1]
+        P = self.P[I] if self.seq_prefix else self._seq_prefix(I)
 
         def step(j, c):
             acc, inner = c
-            acc = acc + load_rows(self.g_ref, I * SUB + j, 1)                      # P_I[j]
+            acc = self._seq_add(I, j, acc)                                         # P_I[j]
             mask = self.r16 >= j
             if cfg.docs:
                 mask = mask & (self.doc[I] == load_rows(self.doc_ref, I * SUB + j, 1))
-            gam = jnp.exp(jnp.where(mask, self.P[I] - acc, -jnp.inf))
+            gam = jnp.exp(jnp.where(mask, P - acc, -jnp.inf))
             return acc, body(j, gam, inner)
 
         return loop(cfg.unroll, 0, SUB, step, (jnp.zeros((1, K), F32), carry))[1]
@@ -487,26 +534,31 @@ def scores(cfg: Cfg, ch: Chunk, q, k, k_ref, want_m=True):
             if want_m:
                 M[I][J] = mm(cfg, _mul(Lq[I], mij), Rk[J], tb=True)
             KK[I][J] = sm(cfg, _mul(Lk[I], mij), Rk[J], tb=True)
-        if cfg.gate_bound is not None:
-            up, down = ch.anc[I]
+
+        def anchored_tile(I=I):
+            up, down = ch.anchor_factors(I)
             kd = k[I] * down
+            m_ii = jnp.zeros((SUB, SUB), F32)
             if want_m:
-                M[I][I] = jnp.where(ch.diag_mask(I, False), mm(cfg, q[I] * up, kd, tb=True), 0.0)
-            KK[I][I] = jnp.where(ch.diag_mask(I, True), sm(cfg, k[I] * up, kd, tb=True), 0.0)
-            continue
-        c16 = iota((1, SUB), 1)
+                m_ii = jnp.where(ch.diag_mask(I, False), mm(cfg, q[I] * up, kd, tb=True), 0.0)
+            return m_ii, jnp.where(ch.diag_mask(I, True), sm(cfg, k[I] * up, kd, tb=True), 0.0)
 
-        def body(j, gam, c, I=I):
-            m_ii, kk_ii = c
-            gam = gam * load_rows(k_ref, I * SUB + j, 1)                        # [16, K]
-            if want_m:
-                m_ii = m_ii + jnp.where(c16 == j, jnp.sum(q[I] * gam, axis=1, keepdims=True), 0.0)
-            kcol = jnp.sum(k[I] * gam, axis=1, keepdims=True)
-            kk_ii = kk_ii + jnp.where(c16 == j, jnp.where(ch.r16 > j, kcol, 0.0), 0.0)
-            return m_ii, kk_ii
+        def exact_tile(I=I):
+            c16 = iota((1, SUB), 1)
 
-        z = jnp.zeros((SUB, SUB), F32)
-        m_ii, kk_ii = ch.diag_loop(I, body, (z, z))
+            def body(j, gam, c):
+                m_ii, kk_ii = c
+                gam = gam * load_rows(k_ref, I * SUB + j, 1)                        # [16, K]
+                if want_m:
+                    m_ii = m_ii + jnp.where(c16 == j, jnp.sum(q[I] * gam, axis=1, keepdims=True), 0.0)
+                kcol = jnp.sum(k[I] * gam, axis=1, keepdims=True)
+                kk_ii = kk_ii + jnp.where(c16 == j, jnp.where(ch.r16 > j, kcol, 0.0), 0.0)
+                return m_ii, kk_ii
+
+            z = jnp.zeros((SUB, SUB), F32)
+            return ch.diag_loop(I, body, (z, z))
+
+        m_ii, kk_ii = ch.diag_tile(I, anchored_tile, exact_tile)
         if want_m:
             M[I][I] = m_ii
         KK[I][I] = kk_ii

@@ -255,8 +255,9 @@ def kda(
       g: ``[B, T, H, K]`` per-channel log-decay, ``<= 0``.
       gate_lower_bound: a promise that ``g >= gate_lower_bound`` everywhere (K3's bounded gate
         ``g = −5·σ(·)`` gives ``-5.0``), in ``[-8, 0)``. The Pallas kernels then use the anchored
-        bounded-gate form (one matmul per diagonal tile instead of a 16-step loop); the XLA form
-        is exact either way and ignores it. Concrete gates below the bound are refused.
+        bounded-gate form on every diagonal tile (one matmul instead of a 16-step loop; without
+        the promise, GPU kernels choose it per tile where the gates allow); the XLA form is
+        exact either way and ignores it. Concrete gates below the bound are refused.
       Others as :func:`delta_rule`.
     """
     return _run("kda", q, k, v, g, beta, gate=_GATE_CHANNEL, erase=True, scale=scale,

@@ -6,7 +6,8 @@ Forward output, final state and every gradient (dq, dk, dv, dβ, dg, dh0) for
 DeltaNet, Gated DeltaNet (scalar-gate kernels), KDA (exact per-channel kernels) and
 bounded-gate KDA (``gate_lower_bound=-5``: anchored one-matmul diagonal tiles) with
 odd T, an initial state and segment resets; gates at the lower bound −5 per token,
-strong gates (−20 per token) and unbounded gates (down to −1e3 per token, no NaN/Inf
+strong gates (−20 per token), tiles of mild and of strong gates in one sequence (exact KDA's
+per-tile choice of the anchored or the looped diagonal) and unbounded gates (down to −1e3 per token, no NaN/Inf
 anywhere); bf16 inputs; the TPU-flavoured kernels (head-major
 layout, grid-sequential state pass with a VMEM scratch, 64-token chunks); and
 that the kernels lower for Triton (``cuda``) and Mosaic (``tpu``) from this CPU.
@@ -58,6 +59,12 @@ def make_inputs(seed, gates="uniform", dtype=np.float32):
     elif gates == "floor":  # every gate at the bound (the widest in-tile span, 16 × 5), a few at 0
         gc, gs = np.full((B, T, H, K), -5.0), np.full((B, T, H), -5.0)
         gc[:, 5::13], gs[:, 5::13] = 0.0, 0.0
+    elif gates == "mixed":  # mild gates, but in a few 16-token tiles some channels decay by −30 per token:
+        # GPU-flavour exact KDA anchors the mild tiles and runs the exact loop on those (per-tile branch)
+        gc, gs = -r.uniform(0, 1, (B, T, H, K)), -r.uniform(0, 1, (B, T, H))
+        for t0 in (16, 48):
+            gc[:, t0:t0 + 16, :, :3] = -30.0
+            gs[:, t0:t0 + 16] = -30.0
     elif gates == "strong":  # strong unbounded gates: about −20 per token
         gc, gs = -r.uniform(18, 22, (B, T, H, K)), -r.uniform(18, 22, (B, T, H))
     else:  # unbounded: heavy-tailed, some tokens near −1e3, some exactly 0
@@ -154,6 +161,7 @@ def test_fp32_forward_and_grads_match_the_reference(rule, docs):
 
 
 @pytest.mark.parametrize("rule,gates", [(r, g) for r in ("kda", "gdn") for g in ("bound", "strong", "unbounded")]
+                         + [("kda", "mixed")]
                          + [("kda_bounded", "bound"), ("kda_bounded", "floor")])
 def test_extreme_gates(rule, gates):
     check(rule, make_inputs(1, gates=gates), True, 1e-4)
