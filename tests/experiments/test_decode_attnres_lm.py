@@ -119,7 +119,7 @@ def test_decode_scaling_rejects_bad_args(tmp_path, kwargs, arg):
 
 
 # ----------------------------------------------------------------------------- LM
-@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("quick", [True, pytest.param(False, marks=pytest.mark.slow)])  # full size: -m slow
 def test_lm_parameters_matched(quick):
     b = LM.make_budget(quick, archs=LM.KEYS)
     main, ablation = LM.architecture_table(b)

@@ -17,6 +17,7 @@ def tiny(monkeypatch):
     monkeypatch.setattr(kb, "time_jax", lambda f, *a, reps=1, warmup=0: orig(f, *a, reps=1, warmup=0))
 
 
+@pytest.mark.slow  # the script's per-kernel timing loop; the kernels' values are test_check_... and tests/kernels
 def test_stages_times_every_kernel(tiny):
     res = {}
     kb.part_stages(res, B=1, T=64, rules=("delta", "gdn", "kdab"), chunk_size=32)

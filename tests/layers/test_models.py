@@ -110,7 +110,9 @@ def test_tiny_k3_scans_macrocycles_and_matches_unrolled():
     assert rel(call(unrolled, tokens), call(scanned, tokens)) <= 1e-5
 
 
-@pytest.mark.parametrize("name", _named(["tiny_gpt2", "tiny_k3"]))  # K3: unstacked groups, a 4-layer period, MoE, AttnRes
+# K3 (-m slow): unstacked groups, a 4-layer period, MoE, AttnRes; its scanned == unrolled forward is
+# test_tiny_k3_scans_macrocycles_and_matches_unrolled
+@pytest.mark.parametrize("name", ["tiny_gpt2", pytest.param("tiny_k3", marks=[K3_GROUP, pytest.mark.slow])])
 def test_unscanned_is_the_same_model_layer_by_layer(name):
     """``Decoder.unscanned()``: every layer its own group, its parameters the scanned group's
     slices (checked against a layer-by-layer copy), the same logits in forward, prefill and
