@@ -123,7 +123,7 @@ def _blockwise_fwd(q, k, v, doc_q, doc_k, causal, scale, block):
 def _blockwise_bwd(causal, scale, block, res, do):
     q, k, v, doc_q, doc_k, o, lse = res
     B, T, H, K = q.shape
-    S, Hk, Vd = k.shape[1], k.shape[2], v.shape[-1]
+    S, Hk = k.shape[1], k.shape[2]
     G = H // Hk
     acc = jnp.result_type(jnp.float32, q, k, v)
     prec = _precision(k, v)
@@ -228,7 +228,7 @@ def _pallas_unsupported(q, k, v) -> Optional[str]:
 
 def _pallas(q, k, v, doc_q, doc_k, causal, scale):
     B, T, H, K = q.shape
-    S, Hk, Vd = k.shape[1], k.shape[2], v.shape[-1]
+    Hk, Vd = k.shape[2], v.shape[-1]
     dt = jnp.result_type(q, k, v)
     if Hk != H:  # the kernels take one key/value head per query head
         k, v = jnp.repeat(k, H // Hk, axis=2), jnp.repeat(v, H // Hk, axis=2)

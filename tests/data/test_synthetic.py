@@ -196,7 +196,7 @@ def test_fade_documents():
         assert sw.tolist() == [info["switch_position"]]
         keys_a, keys_b = set(info["keys_a"].tolist()), set(info["keys_b"].tolist())
         assert len(keys_a) == 8 and len(keys_b) == 6 and not keys_a & keys_b
-        before, after = tok[: sw[0]], tok[sw[0] :]
+        before = tok[: sw[0]]
         assert set(before[(before >= lo) & (before < hi)].tolist()) == keys_a
         a_q = np.flatnonzero(kinds == 1)
         b_q = np.flatnonzero(kinds == 2)

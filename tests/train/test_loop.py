@@ -72,7 +72,7 @@ def test_exact_resume(tmp_path):
 
 
 def test_loss_decreases_and_metrics_logged(tmp_path):
-    out = run(tmp_path / "w", 12, config="tiny_gpt2", lr=1e-2)
+    run(tmp_path / "w", 12, config="tiny_gpt2", lr=1e-2)
     l = losses(tmp_path / "w")
     assert l[12] < l[1]
     rec = json.loads(open(tmp_path / "w" / "metrics.jsonl").readline())
