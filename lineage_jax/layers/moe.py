@@ -21,7 +21,9 @@
   of one ``[131072, 1024] x [64, 1024, 1024]`` grad is 120 GB), so there ``"auto"`` keeps
   ``ragged_dot`` only while that expansion is at most 256 MiB and otherwise runs the
   Pallas grouped matmul on GPUs (``"pallas"``) and the pure-JAX tiled one on the CPU
-  (``"tiled"``; memory ``O(N·k·(W + H))`` plus weight-sized buffers).
+  (``"tiled"``; memory ``O(N·k·(W + H))`` plus weight-sized buffers). One resolution per layer
+  (at the wider of its matmuls) decides all three; with ``"pallas"`` the layer runs in the kernels'
+  padded layout from dispatch to combine (:func:`~lineage_jax.layers.grouped_pallas.routed_experts`).
   ``"capacity"`` is the GShard-style einsum with a fixed per-expert capacity that drops
   (and counts) assignments beyond it.
 """
@@ -37,7 +39,7 @@ from flax import nnx
 
 from lineage_jax.layers.common import Dense, RMSNorm, normal, param
 from lineage_jax.layers.ffn import MLP, glu
-from lineage_jax.layers.grouped import GROUPED_MATMUL_IMPLS, grouped_glu_mlp
+from lineage_jax.layers.grouped import GROUPED_MATMUL_IMPLS, grouped_glu_mlp, resolve_impl
 
 Array = jax.Array
 
@@ -288,18 +290,26 @@ class MoE(nnx.Module):
     # ---------------------------------------------------------------------------- dispatch
     def _experts_ragged(self, z: Array, expert_idx: Array, weights: Array) -> tuple[Array, Array]:
         """Dropless: sort the ``N*k`` assignments by expert and run grouped matmuls
-        (:func:`~lineage_jax.layers.grouped.grouped_glu_mlp`, ``self.matmul_impl``).
+        (``self.matmul_impl``). When that resolves to ``"pallas"``, the whole path runs in the
+        kernels' padded layout (:func:`~lineage_jax.layers.grouped_pallas.routed_experts`: one
+        gather in, one out); otherwise :func:`~lineage_jax.layers.grouped.grouped_glu_mlp` on the
+        sorted rows.
 
         ``z [N, W]``, ``expert_idx / weights [N, k]`` -> (``[N, W]`` float32, dropped = 0).
         """
         n, k = expert_idx.shape
+        w_gate, w_up, w_down = self.w_gate[...], self.w_up[...], self.w_down[...]
+        impl = resolve_impl(self.matmul_impl, n * k, max(w_gate.shape[2], z.shape[1]), self.num_experts, z.dtype)
+        if impl == "pallas":
+            from lineage_jax.layers.grouped_pallas import routed_experts  # imports grouped
+
+            return routed_experts(z, expert_idx, weights, w_gate, w_up, w_down, self.activation), jnp.zeros((), jnp.int32)
         flat_expert = expert_idx.reshape(-1)                       # [N*k], token-major
         order = jnp.argsort(flat_expert, stable=True)              # assignments sorted by expert
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
         group_sizes = jnp.bincount(flat_expert, length=self.num_experts).astype(jnp.int32)
         xs = permute_rows(jnp.repeat(z, k, axis=0), order, inverse)  # [N*k, W], sorted by expert
-        out = grouped_glu_mlp(xs, self.w_gate[...], self.w_up[...], self.w_down[...], group_sizes,
-                              self.activation, impl=self.matmul_impl)
+        out = grouped_glu_mlp(xs, w_gate, w_up, w_down, group_sizes, self.activation, impl=impl)
         out = permute_rows(out, inverse, order).reshape(n, k, -1)  # unsort
         routed = jnp.einsum("nkw,nk->nw", out.astype(jnp.float32), weights)
         return routed, jnp.zeros((), jnp.int32)
