@@ -3,13 +3,19 @@
 
 def live_pallas_calls(jaxpr) -> int:
     """Kernel launches left in a jaxpr after JAX's dead-code elimination, nested jaxprs included."""
+    return live_calls(jaxpr, ("pallas_call",))
+
+
+def live_calls(jaxpr, names) -> int:
+    """Equations of the primitives ``names`` left in a jaxpr after JAX's dead-code elimination,
+    nested jaxprs included."""
     from jax._src.interpreters import partial_eval as pe
     jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
 
     def count(j):
         n = 0
         for e in j.eqns:
-            if e.primitive.name == "pallas_call":
+            if e.primitive.name in names:
                 n += 1
                 continue
             for p in e.params.values():

@@ -30,8 +30,9 @@ MIXERS = {"S": "softmax", "L": "linear", "D": "deltanet", "G": "gdn", "K": "kda"
 FFN_KINDS = ("gelu", "swiglu", "situ")
 # What a layer group keeps for the backward pass (lineage_jax.models.decoder.remat_policy):
 #   "none": everything (no rematerialisation; fastest, most memory);
-#   "dots": the outputs of the weight matmuls (projections, FFN); elementwise ops, norms and
-#           the attention / delta-rule kernels are recomputed;
+#   "dots": the outputs of the weight matmuls (projections, FFN) and the residuals of the
+#           attention, delta-rule and grouped-matmul kernels; elementwise ops and norms are
+#           recomputed;
 #   "full": only the layer group's input (least memory; the whole forward runs twice).
 REMAT_POLICIES = ("none", "dots", "full")
 

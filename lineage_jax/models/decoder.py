@@ -214,23 +214,36 @@ def stacked_macro(cfg: ModelConfig, first: int, period: int, repeats: int, *, rn
 
 
 # ---------------------------------------------------------------------------- the model
+# cuDNN's fused attention (``jax.nn.dot_product_attention``, implementation "cudnn"): the forward
+# primitive whose outputs (the attention output and the softmax statistics) its backward reads.
+CUDNN_ATTENTION_FWD = ("dot_product_attention_fwd_wrapper", "dot_product_attention_fwd")
+
+
+def _cudnn_attention_saveable(prim, *_, **__) -> bool:
+    return prim.name in CUDNN_ATTENTION_FWD
+
+
 def remat_policy(name: str):
     """``ModelConfig.remat`` -> ``None`` (no ``jax.checkpoint``) or a ``jax.checkpoint`` policy.
 
     "full" saves nothing inside a layer group (``nothing_saveable``); "dots" saves the outputs of
     matmuls without batch dimensions — the weight projections and FFN matmuls
-    (``dots_with_no_batch_dims_saveable``) — and the residuals the delta-rule kernels, the
+    (``dots_with_no_batch_dims_saveable``) —, the residuals the delta-rule kernels, the
     blockwise attention and the MoE experts' grouped matmuls name (``kernels.delta.RESIDUALS``,
-    ``memory.fused.RESIDUALS``, ``layers.grouped.RESIDUALS``), and
-    recomputes elementwise work and norms (and cuDNN's attention forward) in the backward pass."""
+    ``memory.fused.RESIDUALS``, ``layers.grouped.RESIDUALS``) and cuDNN's attention forward
+    outputs (:data:`CUDNN_ATTENTION_FWD`: the output and softmax statistics its backward reads,
+    so the backward pass does not rerun the forward attention), and recomputes elementwise work
+    and norms in the backward pass."""
     if name == "none":
         return None
     if name == "full":
         return jax.checkpoint_policies.nothing_saveable
     if name == "dots":
         return jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-            jax.checkpoint_policies.save_only_these_names(DELTA_RESIDUALS, ATTENTION_RESIDUALS, GROUPED_RESIDUALS))
+            jax.checkpoint_policies.save_from_both_policies(
+                jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                jax.checkpoint_policies.save_only_these_names(DELTA_RESIDUALS, ATTENTION_RESIDUALS, GROUPED_RESIDUALS)),
+            _cudnn_attention_saveable)
     raise ValueError(f"remat_policy: unknown policy {name!r}")
 
 
