@@ -33,25 +33,38 @@ RULES = {
 ALL = list(RULES)
 
 
+# Each rule under one ``jax.jit`` (mode and chunk size static): a call compiles one program per
+# shape, where the same call run op by op compiles every operation separately (several times
+# slower on XLA:CPU). Same math; test_jit_and_vmap keeps the op-by-op path equal to the jitted.
+JITTED = {name: jax.jit(fn, static_argnames=("mode", "chunk_size")) for name, (fn, *_) in RULES.items()}
+
+
 def run(name, x, **kw):
-    fn, args, *_ = RULES[name]
-    return fn(*(jnp.asarray(a) for a in args(x)), **kw)
+    _, args, *_ = RULES[name]
+    return JITTED[name](*(jnp.asarray(a) for a in args(x)), **kw)
 
 
-def grads(name, x, seed, **kw):
-    """Gradients of a random linear functional of (o, S) w.r.t. every input and the initial state."""
-    fn, args, *_ = RULES[name]
+@functools.partial(jax.jit, static_argnames=("name", "mode", "chunk_size"))
+def _grads(a, S0, w_o, w_s, segment_ids, *, name, mode, chunk_size):
+    fn = RULES[name][0]
+
+    def loss(a, S0):
+        o, S = fn(*a, initial_state=S0, segment_ids=segment_ids, mode=mode, chunk_size=chunk_size)
+        return jnp.sum(o * w_o) + jnp.sum(S * w_s)
+
+    return jax.grad(loss, argnums=(0, 1))(a, S0)
+
+
+def grads(name, x, seed, segment_ids=None, mode="chunked", chunk_size=None):
+    """Gradients of a random linear functional of (o, S) w.r.t. every input and the initial state
+    (one compilation per rule, mode, chunk size and shape)."""
+    _, args, *_ = RULES[name]
     r = np.random.default_rng(seed + 1000)
     a = tuple(jnp.asarray(t) for t in args(x))
     S0 = jnp.asarray(x.S0)
     w_o = jnp.asarray(r.normal(size=(x.B, x.T, x.H, x.V)), jnp.float32)
     w_s = jnp.asarray(r.normal(size=S0.shape), jnp.float32)
-
-    def loss(a, S0):
-        o, S = fn(*a, initial_state=S0, **kw)
-        return jnp.sum(o * w_o) + jnp.sum(S * w_s)
-
-    return jax.jit(jax.grad(loss, argnums=(0, 1)))(a, S0)
+    return _grads(a, S0, w_o, w_s, segment_ids, name=name, mode=mode, chunk_size=chunk_size)
 
 
 # --------------------------------------------------------------------------- equivalences
@@ -134,11 +147,12 @@ def test_prefill_then_decode_equals_full_sequence(name):
     _, args, step, step_args, _ = RULES[name]
     P = 20
     o_full, S_full = run(name, x, chunk_size=16)
-    o_pre, S = RULES[name][0](*(jnp.asarray(a[:, :P]) for a in args(x)), chunk_size=16)
+    o_pre, S = JITTED[name](*(jnp.asarray(a[:, :P]) for a in args(x)), chunk_size=16)
     np.testing.assert_allclose(o_pre, o_full[:, :P], rtol=1e-5, atol=1e-5)
+    step_jit = jax.jit(step)
     for t in range(P, x.T):
         per_tok = [jnp.asarray(a[:, t]) for a in step_args(x)]
-        o_t, S = step(jnp.asarray(x.q[:, t]), jnp.asarray(x.k[:, t]), jnp.asarray(x.v[:, t]), *per_tok, S)
+        o_t, S = step_jit(jnp.asarray(x.q[:, t]), jnp.asarray(x.k[:, t]), jnp.asarray(x.v[:, t]), *per_tok, S)
         assert rel_err(o_t, o_full[:, t]) <= 1e-5
     assert rel_err(S, S_full) <= 1e-5
 
@@ -147,8 +161,9 @@ def test_normalized_linear_attention():
     x = Inputs(5, T=23)
     phi = lambda a: jax.nn.elu(jnp.asarray(a)) + 1.0  # positive features
     q, k, v = phi(x.q), phi(x.k), jnp.asarray(x.v)
-    o, (S, z) = M.linear_attention(q, k, v, normalize=True, chunk_size=8)
-    o_r, (S_r, z_r) = M.linear_attention(q, k, v, normalize=True, mode="recurrent")
+    la = jax.jit(M.linear_attention, static_argnames=("normalize", "mode", "chunk_size"))
+    o, (S, z) = la(q, k, v, normalize=True, chunk_size=8)
+    o_r, (S_r, z_r) = la(q, k, v, normalize=True, mode="recurrent")
     # Direct formula: o_t = (q_t S_t) / (q_t . z_t + eps), S_t / z_t prefix sums, q scaled.
     sc = x.K ** -0.5
     qs, k64, v64 = np.asarray(q, np.float64) * sc, np.asarray(k, np.float64), np.asarray(v, np.float64)
@@ -221,8 +236,8 @@ def test_orthogonal_keys_make_deltanet_linear_attention(mode):
     k = np.moveaxis(basis[:, :, :T].reshape(B, H, K, T), 3, 1).astype(np.float32)  # [B,T,H,K]
     q = r.normal(size=(B, T, H, K)).astype(np.float32)
     v = r.normal(size=(B, T, H, V)).astype(np.float32)
-    o_d, S_d = M.delta_rule(q, k, v, jnp.ones((B, T, H)), mode=mode, chunk_size=4)
-    o_l, S_l = M.linear_attention(q, k, v, mode=mode, chunk_size=4)
+    o_d, S_d = JITTED["delta"](q, k, v, jnp.ones((B, T, H)), mode=mode, chunk_size=4)
+    o_l, S_l = JITTED["linear"](q, k, v, mode=mode, chunk_size=4)
     assert rel_err(o_d, o_l) <= 1e-5 and rel_err(S_d, S_l) <= 1e-5
 
 
@@ -237,7 +252,7 @@ def test_segment_ids_equal_separate_runs(name, mode):
     _, args, *_ = RULES[name]
     pieces, state = [], jnp.asarray(x.S0)
     for lo, hi in ((0, 13), (13, 31), (31, 40)):
-        o_p, S_p = RULES[name][0](*(jnp.asarray(a[:, lo:hi]) for a in args(x)), mode=mode, chunk_size=16,
+        o_p, S_p = JITTED[name](*(jnp.asarray(a[:, lo:hi]) for a in args(x)), mode=mode, chunk_size=16,
                                   initial_state=state if lo == 0 else None)
         pieces.append(o_p)
     assert rel_err(o, jnp.concatenate(pieces, axis=1)) <= 1e-5
@@ -258,11 +273,11 @@ def test_strong_gates_stay_finite(name, mixed):
     o_r, S_r = run(name, x, mode="recurrent", initial_state=jnp.asarray(x.S0))
     assert np.all(np.isfinite(o_c)) and np.all(np.isfinite(S_c))
     assert rel_err(o_c, o_r) <= 1e-5 and rel_err(S_c, S_r) <= 1e-5
-    for mode in ("chunked", "recurrent"):
-        for leaf in jax.tree.leaves(grads(name, x, 12, mode=mode, chunk_size=64)):
+    g_c, g_r = grads(name, x, 12, chunk_size=64), grads(name, x, 12, mode="recurrent")
+    for g in (g_c, g_r):
+        for leaf in jax.tree.leaves(g):
             assert np.all(np.isfinite(leaf))
-    for got, want in zip(jax.tree.leaves(grads(name, x, 12, chunk_size=64)),
-                         jax.tree.leaves(grads(name, x, 12, mode="recurrent"))):
+    for got, want in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_r)):
         assert rel_err(got, want) <= 1e-5
 
 
@@ -271,7 +286,7 @@ def test_bf16_inputs_close_to_float32(name):
     x = Inputs(13, T=50)
     for attr in ("q", "k", "v", "beta", "g_scalar", "g_channel"):  # same values, two dtypes
         setattr(x, attr, np.asarray(jnp.asarray(getattr(x, attr), jnp.bfloat16).astype(jnp.float32)))
-    fn, args, *_ = RULES[name]
+    fn, args = JITTED[name], RULES[name][1]
     o32, S32 = fn(*(jnp.asarray(a) for a in args(x)), chunk_size=16)
     o16, S16 = fn(*(jnp.asarray(a, jnp.bfloat16) for a in args(x)), chunk_size=16)
     assert o16.dtype == jnp.bfloat16 and S16.dtype == jnp.float32
@@ -286,8 +301,9 @@ def test_jit_and_vmap(name):
     o, S = fn(*a, chunk_size=8)
     o_j, S_j = jax.jit(functools.partial(fn, chunk_size=8))(*a)
     np.testing.assert_allclose(o_j, o, rtol=1e-5, atol=1e-6)
-    # vmap over an extra leading axis (two copies of the batch).
-    o_v, S_v = jax.vmap(functools.partial(fn, chunk_size=8))(*(jnp.stack([t, t]) for t in a))
+    # vmap over an extra leading axis (two copies of the batch); jitted, so the batched rule
+    # compiles as one program rather than op by op a second time.
+    o_v, S_v = jax.jit(jax.vmap(functools.partial(fn, chunk_size=8)))(*(jnp.stack([t, t]) for t in a))
     np.testing.assert_allclose(o_v[1], o, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(S_v[0], S, rtol=1e-5, atol=1e-6)
 
@@ -296,7 +312,7 @@ def test_float64_inputs_compute_in_float64():
     x = Inputs(15, T=33)
     with jax.enable_x64(True):
         a = [jnp.asarray(t, jnp.float64) for t in (x.q, x.k, x.v, x.g_channel, x.beta)]
-        o, S = M.kda(*a, chunk_size=16, segment_ids=jnp.asarray(x.segment_ids))
+        o, S = JITTED["kda"](*a, chunk_size=16, segment_ids=jnp.asarray(x.segment_ids))
         assert o.dtype == jnp.float64 and S.dtype == jnp.float64
         o_ref, S_ref = naive.delta_family(x.q, x.k, x.v, beta=x.beta, g=x.g_channel, segment_ids=x.segment_ids)
         assert rel_err(o, o_ref) < 1e-12 and rel_err(S, S_ref) < 1e-12
