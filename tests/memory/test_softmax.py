@@ -57,11 +57,16 @@ def test_decode_reads_agree_and_match_the_full_sequence(Hk, dtype):
     q, k, v = (jnp.asarray(a) for a in _qkv(6, T=13, Hk=Hk))
     P = np.array([5, 9])  # rows prefilled to different lengths
     cache = M.init_kv_cache(2, 16, Hk, 8, v_head_dim=6, dtype=dtype)
-    for t in range(int(P.max())):  # fill row b with its first P[b] tokens
+
+    @jax.jit
+    def fill(t, cache):  # row b takes token t while t < P[b]
         stepped = M.softmax_attention_step(q[:, t], k[:, t], v[:, t], cache, read="dot")[1]
         keep = (t < P)[:, None, None, None]
-        cache = M.KVCache(jnp.where(keep, stepped.k, cache.k), jnp.where(keep, stepped.v, cache.v),
-                          jnp.where(t < P, stepped.length, cache.length))
+        return M.KVCache(jnp.where(keep, stepped.k, cache.k), jnp.where(keep, stepped.v, cache.v),
+                         jnp.where(t < P, stepped.length, cache.length))
+
+    for t in range(int(P.max())):  # fill row b with its first P[b] tokens
+        cache = fill(t, cache)
     rows = np.arange(2)
     args = (q[rows, P], k[rows, P], v[rows, P])
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -85,7 +90,8 @@ def test_decode_reads_agree_and_match_the_full_sequence(Hk, dtype):
         o, c = M.softmax_attention_step(q_t, k_t, v_t, M.KVCache(ck, cv, cache.length), read=read)
         return jnp.sum(o.astype(jnp.float32) * w) + jnp.sum(c.k.astype(jnp.float32) ** 2)
 
-    grads = {r: jax.grad(lambda *a, r=r: loss(r, *a), argnums=range(5))(*args, cache.k, cache.v) for r in ("dot", "reduce")}
+    grads = {r: jax.jit(jax.grad(lambda *a, r=r: loss(r, *a), argnums=tuple(range(5))))(*args, cache.k, cache.v)
+             for r in ("dot", "reduce")}
     for name, gd, gr in zip(("q_t", "k_t", "v_t", "cache.k", "cache.v"), grads["dot"], grads["reduce"]):
         assert np.all(np.isfinite(np.asarray(gr, np.float32))), name
         np.testing.assert_allclose(np.asarray(gr, np.float32), np.asarray(gd, np.float32), **tol, err_msg=name)
@@ -182,8 +188,8 @@ def test_gradients_match_reference_autodiff():
         return jnp.einsum("bhqs,bshv->bqhv", p, v)
 
     w = jnp.asarray(np.random.default_rng(5).normal(size=(2, 19, 4, 6)), jnp.float32)
-    g1 = jax.grad(lambda *a: jnp.sum(M.softmax_attention(*a, segment_ids=seg) * w), argnums=(0, 1, 2))(q, k, v)
-    g2 = jax.grad(lambda *a: jnp.sum(plain(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    g1 = jax.jit(jax.grad(lambda *a: jnp.sum(M.softmax_attention(*a, segment_ids=seg) * w), argnums=(0, 1, 2)))(q, k, v)
+    g2 = jax.jit(jax.grad(lambda *a: jnp.sum(plain(*a) * w), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(g1, g2):
         assert np.all(np.isfinite(a))
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
