@@ -1,5 +1,7 @@
 """The Decoder: every tiny config trains, prefills and decodes consistently; scan == unrolled."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +69,9 @@ def test_decode_after_prefill_equals_full_forward(name):
     assert np.all(np.asarray(cache.length) == LENGTH)
 
 
-@pytest.mark.parametrize("name", _named(["tiny_gpt2", "tiny_k3"]))
+# tiny_k3 (-m slow): inference_steps is model-agnostic (split once, jit prefill and decode); tiny_k3's
+# prefill + decode == forward is test_decode_after_prefill_equals_full_forward[tiny_k3]
+@pytest.mark.parametrize("name", ["tiny_gpt2", pytest.param("tiny_k3", marks=[K3_GROUP, pytest.mark.slow])])
 def test_inference_steps_equal_the_module_and_donate_the_cache(name):
     """The split-once jitted steps (generate, the decode timers) compute what the module does,
     and donate the cache (its buffers are aliased to the returned cache)."""
@@ -157,6 +161,7 @@ def test_unscanned_is_the_same_model_layer_by_layer(name):
                              per_layer[first + r * p + j][0], want)
 
 
+@K3_GROUP
 def test_stacked_layers_are_independently_initialised():
     model = Decoder(get_config("tiny_k3"), rngs=nnx.Rngs(0))
     group = next(g for (_, _, n), g in zip(model.groups_spec, model.groups) if n > 1)
@@ -165,18 +170,23 @@ def test_stacked_layers_are_independently_initialised():
 
 
 # (True is the legacy spelling of "full": test_remat_policy_names checks the mapping; -m slow runs it here too)
+REMAT_CFG = dict(pattern="KM", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
+
+@functools.lru_cache(maxsize=None)
+def _remat_grads(policy):
+    """Gradients of the remat test's loss under ``policy`` (cached: every policy is compared with
+    the same no-remat gradients, computed once per worker)."""
+    cfg = get_config("tiny_kda").replace(remat=policy, **REMAT_CFG)
+    tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, cfg.vocab_size)
+    return nnx.jit(nnx.grad(lambda m: jnp.mean(m(tokens) ** 2)))(Decoder(cfg, rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.xdist_group("remat")  # one worker: the no-remat gradients are computed once
 @pytest.mark.parametrize("policy", ["dots", "full", pytest.param(True, marks=pytest.mark.slow)])
 def test_remat_gives_same_loss_and_grads(policy):
     """Every remat policy (and the legacy ``remat=True``) computes the same gradients as none."""
-    cfg = get_config("tiny_kda").replace(pattern="KM", **dict(kv_lora_rank=32, qk_nope_head_dim=16,
-                                                              qk_rope_head_dim=8, v_head_dim=16))
-    tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, cfg.vocab_size)
-
-    def loss(m):
-        return jnp.mean(m(tokens) ** 2)
-
-    g1 = nnx.jit(nnx.grad(loss))(Decoder(cfg, rngs=nnx.Rngs(0)))
-    g2 = nnx.jit(nnx.grad(loss))(Decoder(cfg.replace(remat=policy), rngs=nnx.Rngs(0)))
+    g1, g2 = _remat_grads("none"), _remat_grads(policy)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         assert rel(a, b) <= 1e-5
 
@@ -209,7 +219,8 @@ def test_fused_attention_impls_give_the_same_model():
     def loss(m):
         return jnp.mean(m(tokens, segment_ids=seg) ** 2)
 
-    grads = [nnx.grad(loss)(Decoder(cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0))) for impl in ("xla", "pallas")]
+    grads = [nnx.jit(nnx.grad(loss))(Decoder(cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0)))
+             for impl in ("xla", "pallas")]
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         assert rel(a, b) <= 1e-4
 
@@ -302,10 +313,11 @@ def test_attnres_stream_matches_the_definition_forward_and_gradients(seed):
             reads.append(_attnres_naive(sealed + ([sum(partial)] if partial else []), queries[i + 1]))
         return jnp.stack(reads)
 
-    np.testing.assert_allclose(fast(emb, outs, queries), naive(emb, outs, queries), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(jax.jit(fast)(emb, outs, queries), jax.jit(naive)(emb, outs, queries),
+                               rtol=2e-5, atol=2e-5)
     cot = jnp.asarray(r.normal(size=(n_out + 1, B, T, D)), jnp.float32)
-    g_fast = jax.grad(lambda *a: jnp.sum(fast(*a) * cot), argnums=(0, 1, 2))(emb, outs, queries)
-    g_naive = jax.grad(lambda *a: jnp.sum(naive(*a) * cot), argnums=(0, 1, 2))(emb, outs, queries)
+    g_fast = jax.jit(jax.grad(lambda *a: jnp.sum(fast(*a) * cot), argnums=(0, 1, 2)))(emb, outs, queries)
+    g_naive = jax.jit(jax.grad(lambda *a: jnp.sum(naive(*a) * cot), argnums=(0, 1, 2)))(emb, outs, queries)
     for name, a, b in zip(("embedding", "outputs", "queries"), g_fast, g_naive):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=name)
 
