@@ -14,7 +14,9 @@ from experiments import scorecard as S
 from experiments import trainer as T
 
 
-def test_scorecard_structure(tmp_path):
+def _card_from_the_cli(tmp_path):
+    """The README's main job at the smallest size (two architectures, three steps); checks every
+    column of the card it writes."""
     out = subprocess.run([sys.executable, "-m", "experiments.scorecard", "--quick", "--steps", "3", "--only", "gpt2,kda",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -40,12 +42,14 @@ def test_scorecard_structure(tmp_path):
     gpt, kda = rec["rows"]
     assert gpt["memory_per_layer_1m"] > 500 * gpt["memory_per_layer_1k"]  # the cache grows with context
     assert kda["memory_per_layer_1m"] == kda["memory_per_layer_1k"]  # the state does not
+    return rec
 
-    # A second call with another architecture, joined to the first by --merge; and a record holding
-    # a diagnostic row (its architecture renamed from the second call's row): it sorts after the
-    # card's rows. (Running a diagnostic row when named is test_decode_only_times_...'s gdn_nogate.)
-    S.run(quick=True, out=str(tmp_path / "b"), steps=3, only=["linear"])
-    second = tmp_path / "b" / "scorecard" / "scorecard.json"
+
+def _check_merge(tmp_path, second):
+    """``--merge`` joins the card under ``tmp_path`` (gpt2, kda) with the record ``second`` (one linear
+    attention row) and a record holding a diagnostic row (the second record's row renamed): the
+    diagnostic row sorts after the card's rows. (Running a diagnostic row when named is
+    test_decode_only_times_...'s gdn_nogate.)"""
     diag = json.loads(second.read_text())
     diag["rows"][0]["architecture"] = S.EXTRA_KEYS["gpt2_nope"]
     (tmp_path / "diag.json").write_text(json.dumps(diag))
@@ -57,13 +61,32 @@ def test_scorecard_structure(tmp_path):
     assert (tmp_path / "m" / "scorecard" / "scorecard.png").is_file()
     with pytest.raises(ValueError, match="more than one record"):
         S.run(out=str(tmp_path / "m2"), merge=[str(tmp_path), str(tmp_path)])
-    other = json.loads((tmp_path / "b" / "scorecard" / "scorecard.json").read_text())
+    other = json.loads(second.read_text())
     other["budget"]["steps"] = 4
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="steps"):
         S.run(out=str(tmp_path / "m3"), merge=[str(tmp_path), str(tmp_path / "other.json")])
     with pytest.raises(ValueError, match="no scorecard record"):
         S.run(out=str(tmp_path / "m4"), merge=[str(tmp_path / "nowhere")])
+
+
+def test_scorecard_structure(tmp_path):
+    """The card from the CLI, then ``--merge`` with a record standing for a second call: the CLI's
+    record with its GPT-2 row renamed to linear attention (a record of the same budget with
+    another architecture; the merge reads records, not models). A real second call is
+    test_scorecard_merges_a_second_call (-m slow)."""
+    rec = _card_from_the_cli(tmp_path)
+    second = dict(rec, rows=[dict(rec["rows"][0], architecture=S.KEYS["linear"])])
+    (tmp_path / "second.json").write_text(json.dumps(second))
+    _check_merge(tmp_path, tmp_path / "second.json")
+
+
+@pytest.mark.slow  # the card's columns and the merge are test_scorecard_structure
+def test_scorecard_merges_a_second_call(tmp_path):
+    """As test_scorecard_structure, the second record from a real in-process call (linear attention)."""
+    _card_from_the_cli(tmp_path)
+    S.run(quick=True, out=str(tmp_path / "b"), steps=3, only=["linear"])
+    _check_merge(tmp_path, tmp_path / "b" / "scorecard" / "scorecard.json")
 
 
 def test_decode_only_times_untrained_models_without_touching_the_card(tmp_path):
