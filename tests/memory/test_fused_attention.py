@@ -22,8 +22,9 @@ def _inputs(seed, B, T, H, Hk, K, Vd, dtype, segments):
 
 
 def _grads(fn, q, k, v, do):
-    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)),
-                    argnums=(0, 1, 2))(q, k, v)
+    """Gradients of ``sum(fn(q, k, v) * do)``, jitted (op by op every operation compiles on its own)."""
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)),
+                            argnums=(0, 1, 2)))(q, k, v)
 
 
 def _rel(a, b):
@@ -56,7 +57,7 @@ def test_impl_matches_reference_forward_and_grads(impl, case, dtype, segments):
     # except JAX's Triton flash kernel, whose dots take their own (TF32) precision on a GPU.
     own_precision = ON_GPU and impl == "pallas"
     tol = 2e-5 if dtype == jnp.float32 and not own_precision else 1.5e-2
-    got = f(q, k, v)
+    got = jax.jit(f)(q, k, v)
     assert got.dtype == dtype and got.shape == (B, T, H, Vd)
     assert _rel(got, want) < tol
     ref = lambda q, k, v: M.reference_attention(q, k, v, segment_ids=seg)
