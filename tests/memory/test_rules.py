@@ -77,9 +77,17 @@ def test_recurrent_matches_float64_reference(name):
     assert rel_err(o, o_ref) < 2e-6 and rel_err(S, S_ref) < 2e-6
 
 
-@pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("T,chunk", [(37, 16), (100, 64), (1, 64), (7, 16)])
-def test_chunked_equals_recurrent_outputs_states_and_gradients(name, T, chunk):
+# (T, chunk) -> the rules checked there by default; the other rules there run with -m slow.
+# (37, 16): every rule, odd T over several chunks with a partial last one. (100, 64): KDA, the one
+# rule whose chunk of 64 takes the anchored sub-block path (four 16-token sub-blocks). (1, 64) and
+# (7, 16): a chunk that is mostly padding, with a per-channel and a scalar gate.
+DEFAULT_SHAPES = {(37, 16): ALL, (100, 64): ("kda",), (1, 64): ("kda",), (7, 16): ("gdn",)}
+CHUNKED_CASES = [pytest.param(T, chunk, name, marks=() if name in names else pytest.mark.slow)
+                 for (T, chunk), names in DEFAULT_SHAPES.items() for name in ALL]
+
+
+@pytest.mark.parametrize("T,chunk,name", CHUNKED_CASES)
+def test_chunked_equals_recurrent_outputs_states_and_gradients(T, chunk, name):
     """(1, 64) and (7, 16): a chunk that is mostly zero padding — the case XLA:GPU could not
     compile while the gate sums were ``jnp.cumsum`` (see ``memory.core.prefix_sum``)."""
     x = Inputs(1, T=T)
@@ -103,8 +111,7 @@ def test_chunk_size_invariance(name):
         assert rel_err(o, outs[0][0]) <= 1e-5 and rel_err(S, outs[0][1]) <= 1e-5
 
 
-@settings(max_examples=8, deadline=None)
-@given(
+RANDOM_SHAPES = dict(
     name=st.sampled_from(ALL),
     B=st.integers(1, 2),
     T=st.integers(1, 70),
@@ -114,7 +121,23 @@ def test_chunk_size_invariance(name):
     chunk=st.sampled_from([1, 3, 16, 32, 48, 64]),
     seed=st.integers(0, 2**16),
 )
+
+
+# Every example compiles two programs of a new shape: four by default, more with -m slow.
+@settings(max_examples=4, deadline=None)
+@given(**RANDOM_SHAPES)
 def test_chunked_equals_recurrent_random_shapes(name, B, T, H, K, V, chunk, seed):
+    check_random_shapes(name, B, T, H, K, V, chunk, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=24, deadline=None)
+@given(**RANDOM_SHAPES)
+def test_chunked_equals_recurrent_random_shapes_more_examples(name, B, T, H, K, V, chunk, seed):
+    check_random_shapes(name, B, T, H, K, V, chunk, seed)
+
+
+def check_random_shapes(name, B, T, H, K, V, chunk, seed):
     x = Inputs(seed, B=B, T=T, H=H, K=K, V=V)
     kw = dict(initial_state=jnp.asarray(x.S0))
     if T > 1:
