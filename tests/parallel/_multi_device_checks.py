@@ -267,8 +267,15 @@ def check_model_meshes(cfg, meshes, *, born_sharded_mesh: str, step_mesh: str = 
 
 
 def case_model() -> dict:
-    return check_model_meshes(small_moe_config(), list(MESHES), born_sharded_mesh="tensor=2,expert=4",
+    """Every mesh but pure data parallelism (``case_model_data``, a subset of data=2 x expert=4's
+    data axis with the parameters replicated)."""
+    meshes = [m for m in MESHES if m != "data=8"]
+    return check_model_meshes(small_moe_config(), meshes, born_sharded_mesh="tensor=2,expert=4",
                               step_mesh="data=2,expert=4")
+
+
+def case_model_data() -> dict:
+    return check_model_meshes(small_moe_config(), ["data=8"], born_sharded_mesh="data=8")
 
 
 def case_kimi_linear() -> dict:
@@ -391,7 +398,7 @@ def case_hf_load() -> dict:
             "expert_sharded": expert_split, "logits_rel": logits_rel}
 
 
-CASES = {"moe": case_moe, "model": case_model, "kimi_linear": case_kimi_linear, "decode": case_decode,
+CASES = {"moe": case_moe, "model": case_model, "model_data": case_model_data, "kimi_linear": case_kimi_linear, "decode": case_decode,
          "train_loop": case_train_loop, "hf_load": case_hf_load}
 
 

@@ -51,10 +51,7 @@ def test_expert_parallel_moe_equals_single_device():
     assert "divide" in res["error_mesh_rest"]
 
 
-def test_sharded_training_equals_single_device():
-    res = run_case("model")
-    meshes = res["meshes"]
-    assert set(meshes) == {"data=8", "fsdp=8", "data=2,expert=4", "tensor=2,expert=4"}
+def _check_meshes(meshes):
     for name, r in meshes.items():
         assert r["loss_rel"] <= TOL, (name, r)
         assert r["grad_rel_max_leaf"] <= TOL and r["grad_rel"] <= TOL, (name, r)
@@ -62,8 +59,16 @@ def test_sharded_training_equals_single_device():
         assert r["expert_parallel"] == ("expert" in name), (name, r)
         assert r["grad_w_gate_spec"] == r["w_gate_spec"], (name, r)   # gradients keep the parameter layout
 
+
+def test_sharded_training_equals_single_device():
+    """FSDP, expert-parallel (data x expert) and tensor x expert meshes; pure data parallelism (the
+    data axis alone, every parameter replicated) is test_data_parallel_training_equals_single_device."""
+    res = run_case("model")
+    meshes = res["meshes"]
+    assert set(meshes) == {"fsdp=8", "data=2,expert=4", "tensor=2,expert=4"}
+    _check_meshes(meshes)
+
     # Parameters really are distributed: [layers, experts, embed, expert_mlp] and [vocab, embed].
-    assert meshes["data=8"]["w_gate_shards"] == [[2, 8, 64, 32]]       # pure data parallel: replicated
     assert meshes["fsdp=8"]["w_gate_shards"] == [[2, 8, 8, 32]]        # embed over fsdp
     assert meshes["fsdp=8"]["embed_shards"] == [[256, 8]]
     assert meshes["data=2,expert=4"]["w_gate_shards"] == [[2, 2, 64, 32]]   # experts over expert
@@ -78,6 +83,14 @@ def test_sharded_training_equals_single_device():
     assert step["param_max_abs_diff"] <= 1e-6                # ... exactly as optax on one device does
     assert step["call_vs_apply"] == 0.0
     assert step["opt_mu_spec"] == meshes["data=2,expert=4"]["w_gate_spec"]   # Adam moments sharded like params
+
+
+@pytest.mark.slow  # the data axis (with expert) is test_sharded_training_equals_single_device's data=2,expert=4
+def test_data_parallel_training_equals_single_device():
+    res = run_case("model_data")
+    assert set(res["meshes"]) == {"data=8"} and res["born_sharded"] == "data=8"
+    _check_meshes(res["meshes"])
+    assert res["meshes"]["data=8"]["w_gate_shards"] == [[2, 8, 64, 32]]   # pure data parallel: replicated
 
 
 def test_sharded_decode_equals_single_device():
