@@ -5,11 +5,20 @@ These are specifications: each expected number is worked out by hand from the st
 values, gates and write strengths, and the library must reproduce it.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lineage_jax import memory as M
+
+
+def jitted(fn, **static):
+    """``fn`` with keyword options fixed, as one compiled program (op by op, every operation of the
+    chunked form compiles on its own)."""
+    return jax.jit(functools.partial(fn, **static))
 
 CAT = [1.0, 0.0, 0.0, 0.0]
 DOG = [0.6, 0.8, 0.0, 0.0]
@@ -52,7 +61,7 @@ def test_clean_overwrite(mode):
     q = seq(CAT, SILVER_KEY, CAT)
     k = seq(CAT, SILVER_KEY, CAT)
     v = seq(MOCHI, SILVER, BISCUIT)
-    o, S = M.delta_rule(q, k, v, jnp.ones((1, 3, 1)), scale=1.0, mode=mode)
+    o, S = jitted(M.delta_rule, scale=1.0, mode=mode)(q, k, v, jnp.ones((1, 3, 1)))
     np.testing.assert_allclose(o[0, 2, 0], [1.0, 0.0, 2.0, 2.0], atol=1e-6)  # Biscuit, exactly
     np.testing.assert_allclose(S[0, 0, 2], SILVER, atol=1e-6)  # row 2 untouched
 
@@ -72,11 +81,11 @@ def test_overwrite_on_contaminated_board():
 
 def test_chunk_solve_u2_equals_sequential_read():
     # C = 2: k1 = cat, k2 = dog (overlap 0.6), β = 1, S0 = 0, values Mochi and Rex.
-    u = M.delta_corrections(seq(CAT, DOG), seq(MOCHI, REX), jnp.ones((1, 2, 1)))
+    u = jax.jit(M.delta_corrections)(seq(CAT, DOG), seq(MOCHI, REX), jnp.ones((1, 2, 1)))
     np.testing.assert_allclose(u[0, 0, 0], MOCHI, atol=1e-6)
     np.testing.assert_allclose(u[0, 1, 0], [-1.2, 2.4, 1.0, 1.4], atol=1e-6)
     # Sequential: after writing Mochi, token 2 reads v_old = k2 S1; u2 = v2 − v_old.
-    _, S1 = M.delta_rule(seq(CAT), seq(CAT), seq(MOCHI), jnp.ones((1, 1, 1)), scale=1.0)
+    _, S1 = jitted(M.delta_rule, scale=1.0)(seq(CAT), seq(CAT), seq(MOCHI), jnp.ones((1, 1, 1)))
     v_old = jnp.asarray(DOG) @ S1[0, 0]
     np.testing.assert_allclose(np.asarray(REX) - v_old, [-1.2, 2.4, 1.0, 1.4], atol=1e-6)
 
@@ -94,7 +103,7 @@ def test_survival_product(mode):
     v = seq(*[zeros, zeros, MOCHI, zeros, zeros, zeros])
     q = seq(*[CAT] * T)
     g = jnp.asarray(np.log(alpha), jnp.float32)[None, :, None]
-    o, _ = M.gated_delta_rule(q, k, v, g, jnp.asarray(beta, jnp.float32), scale=1.0, mode=mode, chunk_size=4)
+    o, _ = jitted(M.gated_delta_rule, scale=1.0, mode=mode, chunk_size=4)(q, k, v, g, jnp.asarray(beta, jnp.float32))
     np.testing.assert_allclose(o[0, 5, 0], 0.405 * np.asarray(MOCHI), rtol=1e-6)
     assert abs(0.9 * 0.5 * 0.9 - 0.405) < 1e-12
 
@@ -111,8 +120,8 @@ def test_twin_boards_scalar_vs_per_channel_gate():
     slam = np.log(0.2)
     g_scalar = jnp.asarray([[[0.0], [0.0], [slam]]], jnp.float32)
     g_channel = jnp.asarray([[[[0.0] * 4], [[0.0] * 4], [[0.0, 0.0, slam, slam]]]], jnp.float32)
-    o_gdn, S_gdn = M.gated_delta_rule(q, k, v, g_scalar, beta, scale=1.0)
-    o_kda, S_kda = M.kda(q, k, v, g_channel, beta, scale=1.0)
+    o_gdn, S_gdn = jitted(M.gated_delta_rule, scale=1.0)(q, k, v, g_scalar, beta)
+    o_kda, S_kda = jitted(M.kda, scale=1.0)(q, k, v, g_channel, beta)
     np.testing.assert_allclose(o_gdn[0, 2, 0], 0.2 * np.asarray(MOCHI), rtol=1e-6)  # the cat was shot
     np.testing.assert_allclose(o_kda[0, 2, 0], MOCHI, rtol=1e-6)  # the cat lives
     junk_read = lambda S: np.asarray(junk_k) @ np.asarray(S[0, 0])

@@ -9,6 +9,9 @@ from lineage_jax import memory as M
 from tests.memory import naive
 
 
+attention = jax.jit(M.softmax_attention, static_argnames="causal")  # one program per shape, not per operation
+
+
 def _qkv(seed, B=2, T=19, H=4, Hk=2, K=8, V=6):
     r = np.random.default_rng(seed)
     return (r.normal(size=(B, T, H, K)).astype(np.float32),
@@ -22,7 +25,7 @@ def test_matches_float64_reference(Hk, causal):
     q, k, v = _qkv(0, Hk=Hk)
     seg = np.repeat(np.array([[0] * 7 + [1] * 12, [3] * 19]), 1, axis=0)
     for segment_ids in (None, seg):
-        o = M.softmax_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+        o = attention(q, k, v, causal=causal, segment_ids=segment_ids)
         want = naive.softmax_attention(q, k, v, causal=causal, segment_ids=segment_ids)
         np.testing.assert_allclose(o, want, rtol=2e-5, atol=2e-6)
 
@@ -30,17 +33,17 @@ def test_matches_float64_reference(Hk, causal):
 def test_segments_equal_separate_runs():
     q, k, v = _qkv(1, B=1, T=20)
     seg = np.array([[0] * 8 + [1] * 12])
-    o = M.softmax_attention(q, k, v, segment_ids=seg)
-    o1 = M.softmax_attention(q[:, :8], k[:, :8], v[:, :8])
-    o2 = M.softmax_attention(q[:, 8:], k[:, 8:], v[:, 8:])
+    o = attention(q, k, v, segment_ids=seg)
+    o1 = attention(q[:, :8], k[:, :8], v[:, :8])
+    o2 = attention(q[:, 8:], k[:, 8:], v[:, 8:])
     np.testing.assert_allclose(o, np.concatenate([o1, o2], axis=1), rtol=1e-5, atol=1e-6)
 
 
 def test_prefill_then_decode_equals_full_sequence():
     q, k, v = _qkv(2, T=17)
     P = 9
-    o_full = M.softmax_attention(q, k, v)
-    o_pre = M.softmax_attention(q[:, :P], k[:, :P], v[:, :P])
+    o_full = attention(q, k, v)
+    o_pre = attention(q[:, :P], k[:, :P], v[:, :P])
     np.testing.assert_allclose(o_pre, o_full[:, :P], rtol=1e-5, atol=1e-6)
     cache = M.kv_cache_from_prefill(jnp.asarray(k[:, :P]), jnp.asarray(v[:, :P]), max_len=32)
     step = jax.jit(M.softmax_attention_step)
@@ -167,7 +170,7 @@ def test_decode_read_is_checked_and_auto_follows_the_backend():
 def test_decode_from_empty_cache_and_full_cache_error():
     q, k, v = _qkv(3, T=5)
     cache = M.init_kv_cache(2, 5, 2, 8, v_head_dim=6)
-    o_full = M.softmax_attention(q, k, v)
+    o_full = attention(q, k, v)
     for t in range(5):
         o_t, cache = M.softmax_attention_step(q[:, t], k[:, t], v[:, t], cache)
         np.testing.assert_allclose(o_t, o_full[:, t], rtol=1e-5, atol=1e-6)
@@ -198,10 +201,11 @@ def test_gradients_match_reference_autodiff():
 def test_extend_in_pieces_with_segments_equals_full():
     q, k, v = _qkv(6, T=16)
     seg = np.array([[0] * 5 + [1] * 11, [2] * 9 + [4] * 7])
-    o_full = M.softmax_attention(q, k, v, segment_ids=seg)
+    o_full = attention(q, k, v, segment_ids=seg)
     cache = M.init_kv_cache(2, 20, 2, 8, v_head_dim=6)
-    o1, cache = M.softmax_attention_extend(q[:, :3], k[:, :3], v[:, :3], cache, segment_ids=seg[:, :3])
-    o2, cache = M.softmax_attention_extend(q[:, 3:], k[:, 3:], v[:, 3:], cache, segment_ids=seg[:, 3:])
+    extend = jax.jit(M.softmax_attention_extend)
+    o1, cache = extend(q[:, :3], k[:, :3], v[:, :3], cache, segment_ids=seg[:, :3])
+    o2, cache = extend(q[:, 3:], k[:, 3:], v[:, 3:], cache, segment_ids=seg[:, 3:])
     np.testing.assert_allclose(np.concatenate([o1, o2], 1), o_full, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="cache"):
         M.softmax_attention_extend(q[:, :5], k[:, :5], v[:, :5], cache)
