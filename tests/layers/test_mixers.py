@@ -30,6 +30,7 @@ CASES = [("softmax", {}), ("linear", {}), ("deltanet", {}), ("deltanet", {"conv_
 
 call = nnx.jit(lambda m, x: m(x))
 call_segments = nnx.jit(lambda m, x, s: m(x, segment_ids=s))
+gate_inputs = nnx.jit(lambda m, x: m._inputs(x, None, None)[3:5])  # the layer's (g, beta)
 prefill = nnx.jit(lambda m, x, c: m.prefill(x, c))
 decode = nnx.jit(lambda m, x, c: m.decode(x, c))
 
@@ -97,10 +98,10 @@ def test_causal_conv_respects_documents_and_prefix():
 def test_kda_gates_are_log_decays_and_bounded():
     layer = make("kda", kda_gate="bounded")
     x = 50.0 * jax.random.normal(jax.random.key(4), (2, 5, D))
-    _, _, _, g, beta, _ = layer._inputs(x, None, None)
+    g, beta = gate_inputs(layer, x)
     assert g.shape == (2, 5, 3, 8) and bool(jnp.all(g <= 0)) and bool(jnp.all(g >= -5.0))
     layer = make("gdn")
-    _, _, _, g, _, _ = layer._inputs(x, None, None)
+    g, _ = gate_inputs(layer, x)
     assert g.shape == (2, 5, 3) and bool(jnp.all(g <= 0))
 
 
@@ -196,7 +197,7 @@ def test_fresh_kda_layer_forgets_slowly(gate):
     bias would start at −2.5 per token — e^−2.5 ≈ 8% kept — and could not learn recall.)"""
     layer = make("kda", kda_gate=gate)
     x = jax.random.normal(jax.random.key(5), (4, 16, D))
-    g = layer._inputs(x, None, None)[3]
+    g = gate_inputs(layer, x)[0]
     assert float(jnp.median(g)) > np.log(0.9)
 
 
@@ -215,9 +216,11 @@ def test_fresh_kda_gate_can_learn(gate):
         return (-rate * jax.nn.softplus(z)) if gate == "softplus" else (-layer.gate_bound * jax.nn.sigmoid(rate * z))
 
     # The slope, checked against the layer's own gate (shift 0 reproduces _inputs' g).
-    np.testing.assert_allclose(g_of(0.0), layer._inputs(x, None, None)[3], rtol=1e-5, atol=1e-7)
-    slope = jnp.abs(jax.grad(lambda s: jnp.sum(g_of(s)))(0.0)) / g_of(0.0).size  # mean |dg/dz|
-    per_channel = jnp.abs(jax.vmap(jax.grad(lambda s, i: g_of(s).reshape(-1)[i]), (None, 0))(0.0, jnp.arange(64)))
+    g0 = jax.jit(g_of)(0.0)
+    np.testing.assert_allclose(g0, gate_inputs(layer, x)[0], rtol=1e-5, atol=1e-7)
+    slope = jnp.abs(jax.jit(jax.grad(lambda s: jnp.sum(g_of(s))))(0.0)) / g0.size  # mean |dg/dz|
+    per_channel = jnp.abs(jax.jit(jax.vmap(jax.grad(lambda s, i: g_of(s).reshape(-1)[i]), (None, 0)))(
+        0.0, jnp.arange(64)))
     assert float(slope) > 1e-2
     assert float(jnp.median(per_channel)) > 1e-3
 
