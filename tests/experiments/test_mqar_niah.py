@@ -64,17 +64,19 @@ def test_epoch_batches_cover_each_epoch_once():
     assert T.largest_divisor(12, 5) == 4 and T.largest_divisor(7, 3) == 1
 
 
-def test_mqar_cli_smallest(tmp_path):
+def _mqar_cli(tmp_path, archs: dict):
+    """The CLI at its smallest (one length, one width, two learning rates, 4 steps) for ``archs``
+    (key -> pattern); checks the record, the plot and ``--merge``."""
     out = subprocess.run([sys.executable, "-m", "experiments.mqar", "--quick", "--steps", "4",
-                          "--archs", "gpt2,deltanet", "--lengths", "32:2", "--widths", "32", "--lrs", "1e-3,1e-2",
+                          "--archs", ",".join(archs), "--lengths", "32:2", "--widths", "32", "--lrs", "1e-3,1e-2",
                           "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "DeltaNet" in out.stdout and "32/2" in out.stdout
     rec = json.loads((tmp_path / "mqar" / "mqar.json").read_text())
     assert (tmp_path / "mqar" / "mqar.png").stat().st_size > 10_000
-    assert [r["arch"] for r in rec["runs"]] == ["gpt2", "deltanet"] and rec["complete"]
-    assert [r["pattern"] for r in rec["runs"]] == ["SS", "DD"]
+    assert [r["arch"] for r in rec["runs"]] == list(archs) and rec["complete"]
+    assert [r["pattern"] for r in rec["runs"]] == list(archs.values())
     for r in rec["runs"]:
         assert (r["seq_len"], r["num_kv_pairs"], r["d_model"]) == (32, 2, 32)
         assert len(r["accuracy_per_lr"]) == 2 and all(0.0 <= a <= 1.0 for a in r["accuracy_per_lr"])
@@ -87,11 +89,22 @@ def test_mqar_cli_smallest(tmp_path):
     (tmp_path / "other" / "mqar").mkdir(parents=True)
     (tmp_path / "other" / "mqar" / "mqar.json").write_text(json.dumps(other))
     both = M.run(merge=[str(tmp_path), str(tmp_path / "other")], out=str(tmp_path / "joined"))
-    assert len(both["runs"]) == 4 and both["budget"]["widths"] == [32, 48]
+    assert len(both["runs"]) == 2 * len(archs) and both["budget"]["widths"] == [32, 48]
     assert (tmp_path / "joined" / "mqar" / "mqar.png").stat().st_size > 10_000
     assert "d=48" in M.table(both)
     with pytest.raises(ValueError, match="^merge:"):
         M.run(merge=[str(tmp_path), str(tmp_path)], out=str(tmp_path / "twice"))
+
+
+def test_mqar_cli_smallest(tmp_path):
+    """One architecture: the sweep over learning rates, the record, the plot and the merge. (The
+    softmax model trains through the same sweep in test_lr_sweep_equals_... and test_niah_smallest.)"""
+    _mqar_cli(tmp_path, {"deltanet": "DD"})
+
+
+@pytest.mark.slow  # the CLI's record, plot and merge are test_mqar_cli_smallest
+def test_mqar_cli_two_architectures(tmp_path):
+    _mqar_cli(tmp_path, {"gpt2": "SS", "deltanet": "DD"})
 
 
 def test_niah_smallest(tmp_path):
