@@ -209,7 +209,9 @@ def test_accountant_component_shares(acct):
 # ----------------------------------------------------------------------------- chunk dial
 @pytest.fixture(scope="module")
 def dial(tmp_path_factory):
-    return chunk_dial.run(quick=True, out=str(tmp_path_factory.mktemp("results")))
+    # The quick budget at T = 128 (quick's own T is 1024): eight chunk sizes per rule instead of
+    # eleven, each one more compilation; nothing checked below depends on T.
+    return chunk_dial.run(quick=True, out=str(tmp_path_factory.mktemp("results")), seq_len=128)
 
 
 def test_chunk_dial_quick(dial):
