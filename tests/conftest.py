@@ -28,8 +28,24 @@ def _cpu_only() -> bool:
 if _cpu_only() and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# One compilation cache per test run, shared by the xdist workers and the CLI tests' subprocesses
+# (they inherit the environment): a program compiled by one test is loaded, not compiled again, by
+# the next test that builds the same program (the same model trained by several CLI and loop tests,
+# a run resumed from its checkpoint, a config compiled on both workers). Programs that compile in
+# under half a second are not stored. A fresh directory every run, removed at its end, so no run
+# reads another's programs; a JAX_COMPILATION_CACHE_DIR set by the caller is used as given.
+_OWN_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lineage-jax-tests-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # (in case jax was imported before this file set it)
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 SUITE_PRECISION = "highest"
@@ -38,6 +54,13 @@ SUITE_PRECISION = "highest"
 def pytest_configure(config):
     # Process-wide, so fixtures of every scope see it too; runs in every xdist worker.
     jax.config.update("jax_default_matmul_precision", SUITE_PRECISION)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE_DIR is not None:  # the process that made the directory (the controller under xdist)
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
