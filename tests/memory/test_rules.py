@@ -316,6 +316,7 @@ def test_bf16_inputs_close_to_float32(name):
     assert rel_err(o16, o32) <= 1e-2 and rel_err(S16, S32) <= 1e-5
 
 
+@pytest.mark.xdist_group("rules_op_by_op")  # one worker: the rules' op-by-op calls share their operations
 @pytest.mark.parametrize("name", ALL)
 def test_jit_and_vmap(name):
     x = Inputs(14, T=17)
