@@ -61,6 +61,10 @@ def check_decode_after_prefill(model, tokens, split: int, max_len: int, tol: flo
 # MoE with shared experts, AttnRes) and tiny_kda (the softplus gate and low-rank output gate), and the
 # Kimi Linear architecture decodes through its caches in tests/test_hf.py (against transformers).
 DECODE_DEFAULT = [n for n in TINY if n != "tiny_kimi_linear"]
+# float32 prefill/decode vs full-forward tolerance. tiny_k3 (MLA + bounded KDA + latent MoE + AttnRes)
+# sits higher: over model seeds 0-2 x token seeds 1-2 its errors reach 1.6e-5 at XLA:CPU's default
+# optimisation and 3.1e-5 at the suite's level 0 — rounding, orders of magnitude below a cache bug.
+DECODE_TOL = {"tiny_k3": 1e-4}
 
 
 @pytest.mark.parametrize("name", _named(DECODE_DEFAULT) + [pytest.param("tiny_kimi_linear", marks=pytest.mark.slow)])
@@ -70,8 +74,8 @@ def test_decode_after_prefill_equals_full_forward(name):
     tokens = _tokens(cfg, 1)
     logits = call(model, tokens)
     assert logits.shape == (BATCH, LENGTH, cfg.vocab_size) and np.all(np.isfinite(logits))
-    cache = check_decode_after_prefill(model, tokens, SPLIT, MAX_LEN, tolerance(1e-5, kernels=_runs_kernels(cfg)),
-                                       logits)
+    tol = tolerance(DECODE_TOL.get(name, 1e-5), kernels=_runs_kernels(cfg))
+    cache = check_decode_after_prefill(model, tokens, SPLIT, MAX_LEN, tol, logits)
     assert np.all(np.asarray(cache.length) == LENGTH)
 
 
