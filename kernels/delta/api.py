@@ -71,6 +71,11 @@ TARGETS = ("gpu", "tpu")
 # 1.8 KB per thread (exact 1.3 KB), the anchored back-solve 2.1 KB (exact 84 B), so "both" is not the
 # default. The TPU flavour anchors both (no VPU loops).
 ANCHORED_BWD = ("none", "scores", "both")
+# GPU state passes: Triton software-pipelines the loads of the next chunks (W, U, k, the decay) under
+# the current chunk's matmuls. On one H200 (bf16, (2, 8192), H 16, D 128, bv 32) state fwd + bwd
+# 1.83 ms with 1 stage (no pipelining), 1.33 with 2, 1.07 with 3.
+STATE_STAGES = 3
+STATE_PROGRAMS = 128  # default_bv: fewest programs a state pass should launch before narrowing bv to 16
 RESIDUALS = "delta_rule_residuals"  # checkpoint_name of the forward kernels' outputs kept for the backward
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
                        # values they scale before products go subnormal (flushed on tensor cores)
@@ -93,6 +98,7 @@ class Spec:
     state_dtype: Any     # dtype of stored per-chunk states (h, dh)
     num_warps: int
     num_warps_state: int
+    num_stages_state: int = STATE_STAGES  # GPU: Triton software-pipelining stages of the state passes' loop
     anchored_bwd: str = "both"  # bounded gates: which backward kernels anchor the diagonal tiles (see _intra_bwd)
 
 
@@ -142,7 +148,9 @@ def _params(s: Spec, semantics, state=False):
     if s.target == "gpu":
         if pltriton is None:
             return None
-        return pltriton.CompilerParams(num_warps=s.num_warps_state if state else s.num_warps, num_stages=1)
+        if state:
+            return pltriton.CompilerParams(num_warps=s.num_warps_state, num_stages=s.num_stages_state)
+        return pltriton.CompilerParams(num_warps=s.num_warps, num_stages=1)
     if pltpu is None:
         return None
     return pltpu.CompilerParams(dimension_semantics=semantics)
@@ -385,6 +393,18 @@ def default_chunk(target: str) -> int:
     return 64 if target == "tpu" else 32
 
 
+def default_bv(BH: int, V: int) -> int:
+    """GPU: width of the value blocks the sequential state passes split V into (one program each).
+    The passes are latency-bound loops over chunks, so more programs help until the GPU is full:
+    32-wide blocks, or 16-wide where that leaves fewer than ``STATE_PROGRAMS`` programs. Measured
+    on one H200 (state fwd + bwd, bf16, H 16, D 128, 3 stages; docs/benchmarks.md): at (2, 8192)
+    bv 32 1.07 ms against 1.31 (16) and 1.75 (64); at (1, 32768) bv 16 2.92 ms against 3.12 (32)."""
+    bv = min(V, 32)
+    while bv > 16 and BH * (V // bv) < STATE_PROGRAMS:
+        bv //= 2
+    return bv
+
+
 def check_chunk_size(chunk_size) -> None:
     if not isinstance(chunk_size, int) or chunk_size < 16 or chunk_size % 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"`chunk_size` must be a power of two >= 16 for the Pallas kernels, got {chunk_size!r}")
@@ -416,7 +436,8 @@ def _check_gate_bound(g, gate, bound):
 
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
-             gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, state_dtype=None, anchored_bwd=None):
+             gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, num_stages_state=None, state_dtype=None,
+             anchored_bwd=None):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     gate_bound = _check_gate_bound(g, gate, gate_lower_bound)
     if q.ndim != 4:
@@ -457,11 +478,13 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         anchored_bwd = "both" if target == "tpu" else "scores"
     if anchored_bwd not in ANCHORED_BWD:
         raise ValueError(f"`anchored_bwd` must be one of {ANCHORED_BWD}, got {anchored_bwd!r}")
-    if bv is None:  # GPU: 32-wide value blocks give the latency-bound state passes twice the programs of 64
-        bv = V if target == "tpu" else min(V, 32)
+    if bv is None:
+        bv = V if target == "tpu" else default_bv(B * H, V)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
              store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
-             num_warps=num_warps, num_warps_state=num_warps_state, anchored_bwd=anchored_bwd)
+             num_warps=num_warps, num_warps_state=num_warps_state,
+             num_stages_state=STATE_STAGES if num_stages_state is None else int(num_stages_state),
+             anchored_bwd=anchored_bwd)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)
@@ -507,7 +530,7 @@ def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
     """``(spec, laid-out args)`` for timing the five kernels one by one (benchmarks). ``gate``:
     None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
     ``gate_lower_bound``, ``chunk_size`` and the launch knobs (``bv``, ``num_warps``,
-    ``num_warps_state``, ``anchored_bwd``)."""
+    ``num_warps_state``, ``num_stages_state``, ``anchored_bwd``)."""
     if gate is None and g is not None:
         gate = "channel" if g.ndim == 4 else "scalar"
     tuning.setdefault("chunk_size", None)

@@ -101,6 +101,8 @@ def compile_all(outdir, num_warps=4, label=""):
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from . import api
+
     ok = True
     times = {}
     for name in sorted(os.listdir(outdir)):
@@ -108,8 +110,10 @@ def compile_all(outdir, num_warps=4, label=""):
             continue
         t = time.time()
         try:
+            # the launch's own pipelining: the state passes' chunk loops run STATE_STAGES stages
+            stages = api.STATE_STAGES if "_state_" in name else 1
             k = triton.compile(os.path.join(outdir, name), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": num_warps, "num_stages": 1})
+                               options={"num_warps": num_warps, "num_stages": stages})
             dt = time.time() - t
             times[name] = dt
             print(f"{label}{name:28s} OK   {dt:6.1f} s  shared={k.metadata.shared}  {ptxas_usage(k)}", flush=True)

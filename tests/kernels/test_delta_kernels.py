@@ -205,10 +205,12 @@ def test_bounded_anchored_backward_on_gpu_flavour(anchored, gates):
     check("kda_bounded", make_inputs(1, gates=gates), True, 1e-4, target="gpu", tuning=(("anchored_bwd", anchored),))
 
 
-@pytest.mark.parametrize("bv", [16, 32])
-def test_value_blocks_narrower_than_the_value_dim(bv):
-    """The sequential state passes split V into ``bv``-wide blocks, one program each (GPU default
-    32): with V = 64 the blocks' forward, final state and every gradient equal the reference."""
+@pytest.mark.parametrize("bv,stages", [(16, 1), (32, None)])
+def test_value_blocks_narrower_than_the_value_dim(bv, stages):
+    """The sequential state passes split V into ``bv``-wide blocks, one program each (GPU default:
+    :func:`kernels.delta.api.default_bv`): with V = 64 the blocks' forward, final state and every
+    gradient equal the reference — with the loads software-pipelined (the default stages) or not
+    (one stage; a launch option, so compiled GPU runs test both)."""
     r = np.random.default_rng(7)
     Bs, Ts, Hs, Ks, Vs = 1, 40, 2, 16, 64
     kk = r.normal(size=(Bs, Ts, Hs, Ks))
@@ -225,12 +227,27 @@ def test_value_blocks_narrower_than_the_value_dim(bv):
         return jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))
 
     kern = lambda q, k, v, g, beta, S0: kd.chunk_kda(q, k, v, g, beta, initial_state=S0, target="gpu",
-                                                     interpret=_interpret("gpu"), bv=bv)
+                                                     interpret=_interpret("gpu"), bv=bv, num_stages_state=stages)
     ref = lambda q, k, v, g, beta, S0: kref.recurrent(q, k, v, beta, g, initial_state=S0)
     (_, out1), g1 = loss(kern)(*args)
     (_, out0), g0 = loss(ref)(*args)
     for a, b in zip((*out1, *g1), (*out0, *g0)):
         assert rel_err(a, b) <= 1e-4
+
+
+def test_default_value_blocks_fill_the_gpu():
+    """``default_bv``: 32-wide value blocks while B·H·V/32 programs reach ``STATE_PROGRAMS``, else
+    16-wide (one long sequence); never wider than V, never below 16."""
+    from kernels.delta import api
+    n = api.STATE_PROGRAMS
+    assert api.default_bv(n // 4, 128) == 32            # (2, 8192) x 16 heads: 128 programs of 32
+    assert api.default_bv(n // 4 - 1, 128) == 16
+    assert api.default_bv(16, 128) == 16                # (1, 32768) x 16 heads: 128 programs of 16
+    assert api.default_bv(1, 16) == 16 and api.default_bv(1024, 16) == 16
+    assert api.default_bv(1024, 128) == 32
+    s, _ = api._debug_spec(*(jnp.zeros((1, 64, 16, 128), jnp.bfloat16),) * 3, None,
+                           jnp.zeros((1, 64, 16), jnp.bfloat16))
+    assert (s.bv, s.num_stages_state) == (16, api.STATE_STAGES)
 
 
 @pytest.mark.parametrize("policy", ["names", "nothing"])
