@@ -265,7 +265,7 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
                 q, k, v, g, beta, doc, h0 = args
                 f1 = jax.jit(lambda *a: api._intra_fwd(s, *a))
                 t1 = time_jax(f1, q, k, v, g, beta, doc)
-                W, U, M, qin, kout, dend = f1(q, k, v, g, beta, doc)
+                W, U, M, qin, kout, dend, KK = f1(q, k, v, g, beta, doc)
                 f2 = jax.jit(lambda *a: api._state_fwd(s, *a))
                 t2 = time_jax(f2, W, U, kout, dend, h0)
                 h, ut, sT = f2(W, U, kout, dend, h0)
@@ -276,7 +276,7 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
                 t4 = time_jax(f4, M, do, kout, qin, W, dend, sT)
                 dh, dut, dh0 = f4(M, do, kout, qin, W, dend, sT)
                 f5 = jax.jit(lambda *a: api._intra_bwd(s, *a))
-                t5 = time_jax(f5, q, k, v, g, beta, doc, ut, dut, do, h, dh)
+                t5 = time_jax(f5, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh)
                 r = {"intra_fwd": t1, "state_fwd": t2, "output": t3, "state_bwd": t4, "intra_bwd": t5}
                 out[f"{rule}/warps{nw}"] = r
                 log("stages", rule, "warps", nw, {k: round(v, 3) for k, v in r.items()})

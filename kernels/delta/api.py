@@ -62,15 +62,12 @@ except Exception:  # pragma: no cover
 
 Array = jax.Array
 TARGETS = ("gpu", "tpu")
-# KDA backward on GPUs: which intra-chunk backward kernels anchor their diagonal tiles at the middle row
-# (one matmul: always with bounded gates, where the tile's gates allow it with exact gates) instead of
-# the exact 16-step loop — "none" (the exact loop in both), "scores" (GPU default: the dq/dk/dg kernel
-# only) or "both" (the back-solve's KK too). Same residuals, same gradients up to rounding. Measured on
-# one H200 for bounded gates (bf16, B 2, T 8192, H 16, D 128, with bv = 32):
-# fwd+bwd 7.95 ms with "scores" against 8.98 ms with "none"; ptxas: the anchored scores kernel spills
-# 1.8 KB per thread (exact 1.3 KB), the anchored back-solve 2.1 KB (exact 84 B), so "both" is not the
-# default. The TPU flavour anchors both (no VPU loops).
-ANCHORED_BWD = ("none", "scores", "both")
+# KDA backward: whether the intra-chunk backward's scores kernel (dq, dk, dg) anchors its diagonal tiles
+# at the middle row (one matmul: always with bounded gates, where the tile's gates allow it with exact
+# gates on GPUs) — "scores", the default — or runs the exact 16-step loop on every one ("none"). Same
+# residuals, same gradients up to rounding. The back-solve (dv, dβ, the dKK hand-off) has no diagonal
+# tiles to compute: it starts from the forward kernel's decayed scores KK (a residual).
+ANCHORED_BWD = ("none", "scores")
 # GPU state passes: Triton software-pipelines the loads of the next chunks (W, U, k, the decay) under
 # the current chunk's matmuls. On one H200 (bf16, (2, 8192), H 16, D 128, bv 32) state fwd + bwd
 # 1.83 ms with 1 stage (no pipelining), 1.33 with 2, 1.07 with 3.
@@ -99,7 +96,7 @@ class Spec:
     num_warps: int
     num_warps_state: int
     num_stages_state: int = STATE_STAGES  # GPU: Triton software-pipelining stages of the state passes' loop
-    anchored_bwd: str = "both"  # bounded gates: which backward kernels anchor the diagonal tiles (see _intra_bwd)
+    anchored_bwd: str = "scores"  # per-channel gates: whether the backward's scores kernel anchors (ANCHORED_BWD)
 
 
 # ---------------------------------------------------------------------------
@@ -208,9 +205,10 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc):
                  jax.ShapeDtypeStruct(_tok_shape(s, C), sd),   # M
                  jax.ShapeDtypeStruct(_tok_shape(s, K), sd),   # q_in
                  jax.ShapeDtypeStruct(_tok_shape(s, K), sd),   # k_out
-                 jax.ShapeDtypeStruct(_chk_shape(s, K, 1), F32)]  # d_end
+                 jax.ShapeDtypeStruct(_chk_shape(s, K, 1), F32),  # d_end
+                 jax.ShapeDtypeStruct(_tok_shape(s, C), F32)]     # KK (decayed, strictly lower), for the backward
     return _call(s, functools.partial(kn.intra_fwd, s.cfg), grid=(s.B, s.H, s.N), in_specs=specs,
-                 out_specs=[tk, tv, tc, tk, tk, cd], out_shape=out_shape,
+                 out_specs=[tk, tv, tc, tk, tk, cd, tc], out_shape=out_shape,
                  semantics=("parallel", "parallel", "parallel"))(*args)
 
 
@@ -284,7 +282,7 @@ def _state_bwd(s: Spec, M, do, kout, qin, W, dend, dsT):
                  scratch=[pltpu.VMEM((K, bv), F32)])(M, do, kout, qin, W, dend, dsT)
 
 
-def _intra_bwd(s: Spec, q, k, v, g, beta, doc, ut, dut, do, h, dh):
+def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
     """``dq, dk, dv, dβ[, dg]``. GPU: two pallas_calls, ``intra_bwd_solve`` (``dv``, and an f32 hand-off
     ``dKK [C, C]``, ``dR_u [C, V]``, partial ``dβ [C, 1]``: ``4·(C + V + 1)`` bytes per token·head
     written, then read) and ``intra_bwd_scores`` (``dq, dk, dβ, dg``) — each holds about half the
@@ -304,21 +302,24 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, ut, dut, do, h, dh):
     if g is not None:
         outs.append(sh(K if s.cfg.channel else 1, g.dtype))
         out_specs.append(tk if s.cfg.channel else t1)
+    cfg = s.cfg if s.anchored_bwd == "scores" else dataclasses.replace(s.cfg, gate_bound=None,
+                                                                         anchor_when_safe=False)
     if s.target == "tpu":
         dq, dk, dv, dbeta, *dg = _call(
-            s, functools.partial(kn.intra_bwd, s.cfg), grid=grid,
-            in_specs=specs + [tv, tv, tv, chv, chv], out_specs=out_specs[:2] + [tv] + out_specs[2:],
-            out_shape=outs[:2] + [sh(V, v.dtype)] + outs[2:], semantics=par)(*args, ut, dut, do, h, dh)
+            s, functools.partial(kn.intra_bwd, cfg), grid=grid,
+            in_specs=specs + [tc, tv, tv, tv, chv, chv], out_specs=out_specs[:2] + [tv] + out_specs[2:],
+            out_shape=outs[:2] + [sh(V, v.dtype)] + outs[2:], semantics=par)(*args, KK, ut, dut, do, h, dh)
         return (dq, dk, dv, dbeta, *dg)
-    exact = dataclasses.replace(s.cfg, gate_bound=None, anchor_when_safe=False)
-    cfg_solve = s.cfg if s.anchored_bwd == "both" else exact
-    cfg_scores = s.cfg if s.anchored_bwd in ("scores", "both") else exact
+    sargs, sspecs = [v, beta], [tv, t1]
+    if doc is not None:
+        sargs.append(doc)
+        sspecs.append(_tok_spec(s, C, 1, lambda b, h_, n: (b, n, 0, 0)))
     dv, dbp, dkk, dru = _call(
-        s, functools.partial(kn.intra_bwd_solve, cfg_solve), grid=grid, in_specs=specs + [tv, tv],
+        s, functools.partial(kn.intra_bwd_solve, s.cfg), grid=grid, in_specs=sspecs + [tc, tv, tv],
         out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, F32)],
-        semantics=par)(*args, ut, dut)
+        semantics=par)(*sargs, KK, ut, dut)
     dq, dk, dbeta, *dg = _call(
-        s, functools.partial(kn.intra_bwd_scores, cfg_scores), grid=grid,
+        s, functools.partial(kn.intra_bwd_scores, cfg), grid=grid,
         in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par,
     )(*args, ut, do, h, dh, dkk, dru, dbp)
     return (dq, dk, dv, dbeta, *dg)
@@ -328,10 +329,10 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, ut, dut, do, h, dh):
 # custom_vjp over the laid-out, padded arrays.
 # ---------------------------------------------------------------------------
 def _forward(s: Spec, q, k, v, g, beta, doc, h0):
-    W, U, M, qin, kout, dend = _intra_fwd(s, q, k, v, g, beta, doc)
+    W, U, M, qin, kout, dend, KK = _intra_fwd(s, q, k, v, g, beta, doc)
     h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
     o = _output(s, qin, h, M, ut, q.dtype)
-    return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, h, ut)  # U: not needed backward
+    return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut)  # U: not needed backward
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -344,19 +345,19 @@ def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
     # forward kernels again in the backward pass (``save_only_these_names``). The output kernel
     # reads the *named* values, and its output is named too: a policy recomputes what it does not
     # save, and ``o`` rebuilt from the unnamed values would rerun the whole forward chain.
-    W, U, M, qin, kout, dend = _intra_fwd(s, q, k, v, g, beta, doc)
+    W, U, M, qin, kout, dend, KK = _intra_fwd(s, q, k, v, g, beta, doc)
     h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
-    W, M, qin, kout, dend, h, ut = (checkpoint_name(a, RESIDUALS) for a in (W, M, qin, kout, dend, h, ut))
+    W, M, qin, kout, dend, KK, h, ut = (checkpoint_name(a, RESIDUALS) for a in (W, M, qin, kout, dend, KK, h, ut))
     o = checkpoint_name(_output(s, qin, h, M, ut, q.dtype), RESIDUALS)
-    return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, h, ut)  # U: not needed backward
+    return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut)  # U: not needed backward
 
 
 def _chunked_bwd(s, res, cts):
-    q, k, v, g, beta, doc, W, M, qin, kout, dend, h, ut = res
+    q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut = res
     do, dsT = cts
     do = do.astype(q.dtype)
     dh, dut, dh0 = _state_bwd(s, M, do, kout, qin, W, dend, dsT.astype(F32))
-    grads = _intra_bwd(s, q, k, v, g, beta, doc, ut, dut, do, h, dh)
+    grads = _intra_bwd(s, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh)
     dq, dk, dv, dbeta = grads[:4]
     dg = grads[4] if g is not None else None
     ddoc = None if doc is None else jnp.zeros_like(doc)
@@ -475,7 +476,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
               solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound,
               anchor_when_safe=(target == "gpu"))
     if anchored_bwd is None:
-        anchored_bwd = "both" if target == "tpu" else "scores"
+        anchored_bwd = "scores"
     if anchored_bwd not in ANCHORED_BWD:
         raise ValueError(f"`anchored_bwd` must be one of {ANCHORED_BWD}, got {anchored_bwd!r}")
     if bv is None:
@@ -584,10 +585,9 @@ _BOUND_DOC = """      gate_lower_bound: opt-in bounded-gate mode (e.g. ``-5.0`` 
         loop. Concrete gates are checked (``ValueError`` if violated); traced gates (under
         ``jit``) cannot be — gates below the bound then give wrong results (inf/NaN), so bound
         them by construction. ``None`` (default): the exact kernels, safe for any gate.
-      anchored_bwd (launch knob): ``"none"`` (the backward's diagonal tiles run the exact
-        loop), ``"scores"`` (GPU default) or ``"both"`` (TPU default): which backward kernels
-        anchor diagonal tiles (bounded gates: all; exact gates on GPUs: those whose gates allow
-        it); see ``ANCHORED_BWD``.
+      anchored_bwd (launch knob): ``"scores"`` (default: the backward anchors its diagonal
+        tiles — bounded gates: all; exact gates on GPUs: those whose gates allow it) or
+        ``"none"`` (the exact loop on every one); see ``ANCHORED_BWD``.
 """
 chunk_kda.__doc__ = ("Kimi Delta Attention (``g [B, T, H, K]`` per-channel log-decay: decay, then erase), by "
                      "Pallas kernels." + _DOC.replace("    Returns:", _BOUND_DOC + "    Returns:"))

@@ -4,11 +4,11 @@ Five kernels; ``(par)`` ones run one program per ``(b, h, chunk)``, ``(seq)`` on
 carry the state across chunks:
 
 =====================  =====  ==================================================
-``intra_fwd``          par    gates, scores ``M``/``A``, solve → ``W, U, M, q_in, k_out, d_end``
+``intra_fwd``          par    gates, scores ``M``/``KK``, solve → ``W, U, M, q_in, k_out, d_end, KK``
 ``state_fwd_*``        seq    ``S_n`` per chunk, ``Ũ = U − W S``, ``S ← d ⊙ S + k_outᵀ Ũ``
 ``output``             par    ``O = q_in S_n + M Ũ``
 ``state_bwd_*``        seq    reverse: ``dŨ = Mᵀ dO + k_out dS``, ``dS ← q_inᵀ dO + d ⊙ dS − Wᵀ dŨ``
-``intra_bwd``          par    ``dq, dk, dv, dβ, dg`` from ``S_n, dS_{n+1}, Ũ, dŨ``
+``intra_bwd``          par    ``dq, dk, dv, dβ, dg`` from ``S_n, dS_{n+1}, Ũ, dŨ`` and ``KK``
 =====================  =====  ==================================================
 
 On GPUs ``intra_bwd`` runs as two kernels, ``intra_bwd_solve`` (``dv, dβ``) then
@@ -22,6 +22,8 @@ scratch buffer).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
@@ -58,7 +60,7 @@ def _tiles(ref, nb, scale=None):
 # ---------------------------------------------------------------------------
 def intra_fwd(cfg: Cfg, *refs):
     r, outs = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
-    w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref = outs
+    w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, kk_ref = outs
     nb = cfg.nb
     ch = Chunk(cfg, r["g"], r["doc"])
     q = _tiles(r["q"], nb, cfg.scale)
@@ -77,6 +79,7 @@ def intra_fwd(cfg: Cfg, *refs):
         for J in range(nb):
             tile = M[I][J] if J <= I else jnp.zeros((SUB, SUB), F32)
             m_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = tile.astype(m_ref.dtype)
+    _store_lower(kk_ref, KK)  # f32: the backward's UT solve starts from these, never from k and g again
     K = dend_ref.shape[0]
     if ch.d_end is None:
         d = jnp.ones((K, 1), F32)
@@ -193,15 +196,16 @@ def output(cfg: Cfg, qin_ref, h_ref, m_ref, ut_ref, o_ref):
 # HBM as f32 — ``(C + K)`` floats per token·head written and read again — so that each Triton
 # program holds half the tiles (the fused kernel spilled 1.5–7.3 KB per thread). TPU: one
 # kernel (``intra_bwd``) that runs both halves; Mosaic keeps the tiles in VMEM.
-def _bwd_solve(cfg: Cfg, ch: Chunk, r, dut_ref, ut_ref, dv_ref):
+def _bwd_solve(cfg: Cfg, ch: Chunk, r, kk_ref, dut_ref, ut_ref, dv_ref):
     """Back through the UT solve: stores ``dv``; returns ``dKK`` (tiles), ``dR_u`` and the part of
     ``dβ`` without the ``k_in ⊙ dR_w`` term. Needs no state: ``W``'s cotangent is ``−dŨ Sᵀ`` and the
     back-solve acts on the token rows, so ``dR_w = −dR_u Sᵀ`` (left to :func:`_bwd_scores`), and
-    since ``W S = U − Ũ`` (the state pass), ``dA = −(dR_u Uᵀ + dR_w Wᵀ) = −dR_u Ũᵀ``."""
+    since ``W S = U − Ũ`` (the state pass), ``dA = −(dR_u Uᵀ + dR_w Wᵀ) = −dR_u Ũᵀ``. Needs no gate
+    either: the decayed ``k·k`` scores ``KK`` come from the forward kernel (``kk_ref``, f32), so
+    ``ch`` serves only the diagonal tiles' causal and document masks."""
     nb = cfg.nb
-    k = _tiles(r["k"], nb)
     beta = _tiles(r["beta"], nb)
-    _, KK, _ = scores(cfg, ch, None, k, r["k"], want_m=False)
+    KK = _load_lower(kk_ref, nb)
     A, tT = ut_system(cfg, ch, KK, beta)
     dRu = solve_backward(cfg, A, tT, _tiles(dut_ref, nb))
     ut = Lazy(lambda J: load_rows(ut_ref, J * SUB, SUB))
@@ -370,11 +374,12 @@ def _load_lower(ref, nb):
 
 
 def intra_bwd_solve(cfg: Cfg, *refs):
-    """GPU, first half: ``dv`` and the hand-off ``dKK [C, C]``, ``dR_u [C, V]``, partial ``dβ [C, 1]`` (f32)."""
-    r, rest = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
-    ut_ref, dut_ref, dv_ref, dbp_ref, dkk_ref, dru_ref = rest
-    ch = Chunk(cfg, r["g"], r["doc"])
-    dKK, dRu, dbeta = _bwd_solve(cfg, ch, r, dut_ref, ut_ref, dv_ref)
+    """GPU, first half: ``dv`` and the hand-off ``dKK [C, C]``, ``dR_u [C, V]``, partial ``dβ [C, 1]`` (f32).
+    Inputs ``v, β[, doc], KK, Ũ, dŨ``: no q, k or gate (see :func:`_bwd_solve`)."""
+    r, rest = _split_in(cfg, refs, ("v", "beta", "doc"))
+    kk_ref, ut_ref, dut_ref, dv_ref, dbp_ref, dkk_ref, dru_ref = rest
+    ch = Chunk(dataclasses.replace(cfg, gate="none"), None, r["doc"])  # masks only
+    dKK, dRu, dbeta = _bwd_solve(cfg, ch, r, kk_ref, dut_ref, ut_ref, dv_ref)
     _store_lower(dkk_ref, dKK)
     _store_tiles(dru_ref, dRu)
     _store_tiles(dbp_ref, dbeta)
@@ -395,10 +400,10 @@ def intra_bwd_scores(cfg: Cfg, *refs):
 def intra_bwd(cfg: Cfg, *refs):
     """TPU: both halves in one kernel (the hand-off stays on chip)."""
     r, rest = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
-    ut_ref, dut_ref, do_ref, h_ref, dh_ref = rest[:5]
-    dq_ref, dk_ref, dv_ref, dbeta_ref = rest[5:9]
-    dg_ref = rest[9] if cfg.gated else None
+    kk_ref, ut_ref, dut_ref, do_ref, h_ref, dh_ref = rest[:6]
+    dq_ref, dk_ref, dv_ref, dbeta_ref = rest[6:10]
+    dg_ref = rest[10] if cfg.gated else None
     ch = Chunk(cfg, r["g"], r["doc"])
-    dKK, dRu, dbeta = _bwd_solve(cfg, ch, r, dut_ref, ut_ref, dv_ref)
+    dKK, dRu, dbeta = _bwd_solve(cfg, ch, r, kk_ref, dut_ref, ut_ref, dv_ref)
     _bwd_scores(cfg, ch, r, do_ref, ut_ref, h_ref, dh_ref, dKK, lambda I: dRu[I], lambda I: dbeta[I],
                 dq_ref, dk_ref, dbeta_ref, dg_ref)

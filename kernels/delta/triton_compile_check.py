@@ -131,7 +131,7 @@ def main(argv=None):
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--chunk_size", default=None, help="default (per target) or a comma-separated list")
     ap.add_argument("--num_warps", type=int, default=4)
-    ap.add_argument("--anchored_bwd", default=None, help="kda_bounded: none | scores | both (default: the API's)")
+    ap.add_argument("--anchored_bwd", default=None, help="kda_bounded: none | scores (default: the API's)")
     ap.add_argument("--keep_cache", action="store_true",
                     help="use Triton's cache (default: a fresh one, so that every compile is timed)")
     args = ap.parse_args(argv)
