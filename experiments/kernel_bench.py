@@ -31,6 +31,7 @@ Usage (on the device; fla-core installed with ``--target`` from a carried wheel)
     python -m experiments.kernel_bench --out $OUT --budget_s 400     # roofline + bench
     python -m experiments.kernel_bench --parts check,stages          # subsets
     python -m experiments.kernel_bench --rules gdn,kdab --pallas_chunk 64   # a subset, 64-token chunks
+    python -m experiments.kernel_bench --methods pallas,fla --fla_cache fla_cache   # fla's autotuning kept
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` under ``--out``.
 """
@@ -286,6 +287,15 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
     results["stages"] = out
 
 
+def use_fla_cache(path: str) -> None:
+    """Point Triton's cache (compiled kernels and, with ``TRITON_CACHE_AUTOTUNING``, the autotuner's
+    timings) at ``path`` before fla imports Triton, so that a later call with the same directory
+    reuses fla's autotuning instead of compiling and timing every configuration again."""
+    os.makedirs(path, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = os.path.abspath(path)
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+
+
 def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, rules=RULES, chunk_size=None):
     try:
         import torch
@@ -461,6 +471,10 @@ def main(argv=None):
     ap.add_argument("--methods", default="pallas,xla,fla,cudnn")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget_s", type=float, default=1e9, help="start no new part/shape after this many seconds")
+    ap.add_argument("--fla_cache", default=None, metavar="DIR",
+                    help="Triton cache directory for fla's kernels and its autotuning results (kept on disk): a "
+                         "later call with the same DIR skips fla's autotuning (default: Triton's own cache, "
+                         "autotuning results kept in memory only)")
     ap.add_argument("--rules", default=",".join(RULES), help="comma-separated subset of " + ",".join(RULES))
     ap.add_argument("--pallas_chunk", type=int, default=None, help="Pallas chunk size (default: the kernels' own)")
     ap.add_argument("--pallas_tuning", default="",
@@ -487,6 +501,8 @@ def main(argv=None):
                 PALLAS_TUNING[key] = int(val)
             except ValueError:
                 ap.error(f"--pallas_tuning: {key} must be an integer, got {val!r}")
+    if args.fla_cache:
+        use_fla_cache(args.fla_cache)
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     parts = args.parts.split(",")

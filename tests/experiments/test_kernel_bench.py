@@ -42,3 +42,13 @@ def test_bad_tuning_flags_are_named(tuning, message, capsys):
     with pytest.raises(SystemExit):
         kb.main(["--pallas_tuning", tuning, "--out", "unused"])
     assert message in capsys.readouterr().err
+
+
+def test_fla_cache_points_triton_at_the_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "unset")  # restored after the test
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
+    d = tmp_path / "fla"
+    kb.use_fla_cache(str(d))
+    import os
+    assert d.is_dir() and os.environ["TRITON_CACHE_DIR"] == str(d)
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
