@@ -28,6 +28,16 @@ def _cpu_only() -> bool:
 if _cpu_only() and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# The other half of XLA:CPU's compile time here is its MLIR fusion emitters; the classic elemental
+# emitter generates the same fusions' loops in about half the CPU time (tests/layers/test_mla.py with
+# tests/memory/test_softmax.py, one process: 103 -> 52 s of CPU; results equal up to float rounding,
+# and every tolerance holds). Only where this jaxlib still has the flag (an unknown flag is fatal).
+if _cpu_only() and "--xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    from tests._fake_devices import jaxlib_knows
+
+    if jaxlib_knows("xla_cpu_use_fusion_emitters"):
+        os.environ["XLA_FLAGS"] = (os.environ["XLA_FLAGS"] + " --xla_cpu_use_fusion_emitters=false").strip()
+
 # One compilation cache per test run, shared by the xdist workers and the CLI tests' subprocesses
 # (they inherit the environment): a program compiled by one test is loaded, not compiled again, by
 # the next test that builds the same program (the same model trained by several CLI and loop tests,
