@@ -174,9 +174,11 @@ def make_probes(b: Budget, seed: int):
 
 def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optional[int] = None,
         only: Optional[list[str]] = None, compile_workers: Optional[int] = None,
-        merge: Optional[list[str]] = None, budget: str = "pressure", decode_only: bool = False) -> dict:
+        merge: Optional[list[str]] = None, budget: str = "pressure", decode_only: bool = False,
+        eval_sequences: Optional[int] = None) -> dict:
     """Train, score and cost every architecture (``only``: a subset of ``KEYS``; ``budget``: a key
-    of ``BUDGETS``, ignored with ``quick``).
+    of ``BUDGETS``, ignored with ``quick``). ``steps`` and ``eval_sequences`` (held-out rows per
+    probe and validation rows) override the budget's, e.g. for a smoke run.
 
     ``merge``: instead of training, join the records of earlier calls (their ``--out`` roots or
     ``scorecard.json`` paths) into one record, table and plot.
@@ -184,9 +186,9 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     ``decode_only``: skip training and time only the decode column, on freshly initialised
     models (:func:`decode_column`).
     """
-    if decode_only and (merge or steps is not None):
-        raise ValueError(f"decode_only: trains nothing, so it takes neither `merge` nor `steps` "
-                         f"(got merge={merge!r}, steps={steps!r})")
+    if decode_only and (merge or steps is not None or eval_sequences is not None):
+        raise ValueError(f"decode_only: trains nothing, so it takes neither `merge`, `steps` nor `eval_sequences` "
+                         f"(got merge={merge!r}, steps={steps!r}, eval_sequences={eval_sequences!r})")
     if merge:
         return merged(merge, out)
     if budget not in BUDGETS:
@@ -201,6 +203,8 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     archs = [a for a in ARCHITECTURES + (EXTRA_ARCHITECTURES if only else []) if wanted is None or a[0] in wanted]
     if steps is not None:
         b = dataclasses.replace(b, steps=steps, max_train_rows=min(b.max_train_rows, max(steps * b.batch, b.batch)))
+    if eval_sequences is not None:
+        b = dataclasses.replace(b, eval_sequences=eval_sequences)
     record = C.provenance(NAME, quick)
     record["budget"] = dataclasses.asdict(b)
     record["budget_name"] = "quick" if quick else budget
@@ -444,6 +448,8 @@ def main(argv=None) -> dict:
         "(linear attention fails recall/overwrite, the delta rules solve them; softmax rows are not taught)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=C.positive_int, default=None, help="override the training steps")
+    parser.add_argument("--eval-sequences", type=C.positive_int, default=None,
+                        help="override the held-out rows per probe (and the validation rows), e.g. for a smoke run")
     parser.add_argument("--compile-workers", type=C.positive_int, default=None,
                         help="threads compiling the next architectures while one trains (default: cores - 1, at most 8)")
     parser.add_argument("--only", type=lambda t: t.split(","), default=None,

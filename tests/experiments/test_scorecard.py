@@ -14,15 +14,23 @@ from experiments import scorecard as S
 from experiments import trainer as T
 
 
+# Held-out rows per probe in the smoke runs: 32, not the quick budget's 128. Scoring is a teacher-forced
+# forward per probe and query kind, and three steps teach nothing, so more rows measure no more;
+# the card's structure (every column, every query kind, the kinds partitioning each probe) is the same.
+EVAL_ROWS = 32
+
+
 def _card_from_the_cli(tmp_path):
     """The README's main job at the smallest size (two architectures, three steps); checks every
     column of the card it writes."""
     out = subprocess.run([sys.executable, "-m", "experiments.scorecard", "--quick", "--steps", "3", "--only", "gpt2,kda",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+                          "--eval-sequences", str(EVAL_ROWS), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Predictions, stated before measuring" in out.stdout and "KDA" in out.stdout
     assert "Not taught in this budget" in out.stdout  # 3 steps teach nothing: no verdict, said so
     rec = json.loads((tmp_path / "scorecard" / "scorecard.json").read_text())
+    assert rec["budget"]["eval_sequences"] == EVAL_ROWS and rec["budget"]["steps"] == 3
     assert (tmp_path / "scorecard" / "scorecard.png").stat().st_size > 10_000
     assert [r["architecture"] for r in rec["rows"]] == [S.KEYS["gpt2"], S.KEYS["kda"]]
     for r in rec["rows"]:
@@ -85,7 +93,7 @@ def test_scorecard_structure(tmp_path):
 def test_scorecard_merges_a_second_call(tmp_path):
     """As test_scorecard_structure, the second record from a real in-process call (linear attention)."""
     _card_from_the_cli(tmp_path)
-    S.run(quick=True, out=str(tmp_path / "b"), steps=3, only=["linear"])
+    S.run(quick=True, out=str(tmp_path / "b"), steps=3, only=["linear"], eval_sequences=EVAL_ROWS)
     _check_merge(tmp_path, tmp_path / "b" / "scorecard" / "scorecard.json")
 
 
@@ -102,7 +110,7 @@ def test_decode_only_times_untrained_models_without_touching_the_card(tmp_path):
     assert (tmp_path / "scorecard_decode" / "scorecard_decode.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("kwargs", [dict(merge=["a"]), dict(steps=5)])
+@pytest.mark.parametrize("kwargs", [dict(merge=["a"]), dict(steps=5), dict(eval_sequences=8)])
 def test_decode_only_rejects_training_arguments(tmp_path, kwargs):
     with pytest.raises(ValueError, match="decode_only"):
         S.run(quick=True, out=str(tmp_path), decode_only=True, **kwargs)
