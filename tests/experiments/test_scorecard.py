@@ -97,12 +97,11 @@ def test_scorecard_merges_a_second_call(tmp_path):
     _check_merge(tmp_path, tmp_path / "b" / "scorecard" / "scorecard.json")
 
 
-def test_decode_only_times_untrained_models_without_touching_the_card(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "experiments.scorecard", "--quick", "--decode-only",
-                          "--only", "deltanet,gdn_nogate", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert "decode ms/tok" in out.stdout and "untrained" in out.stdout
+def test_decode_only_times_untrained_models_without_touching_the_card(tmp_path, capsys):
+    # The CLI's main in this process (`python -m experiments.scorecard` itself is test_scorecard_structure)
+    S.main(["--quick", "--decode-only", "--only", "deltanet,gdn_nogate", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "decode ms/tok" in out and "untrained" in out
     rec = json.loads((tmp_path / "scorecard_decode" / "scorecard_decode.json").read_text())
     assert rec["decode_only"] and rec["complete"] and not (tmp_path / "scorecard").exists()
     assert [r["architecture"] for r in rec["rows"]] == [S.KEYS["deltanet"], S.EXTRA_KEYS["gdn_nogate"]]
@@ -116,11 +115,14 @@ def test_decode_only_rejects_training_arguments(tmp_path, kwargs):
         S.run(quick=True, out=str(tmp_path), decode_only=True, **kwargs)
 
 
-def test_cli_bad_argument_is_an_error_message_not_a_traceback(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "experiments.scorecard", "--quick", "--only", "mamba",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "error: only: unknown architecture(s) ['mamba']" in out.stderr
+def test_cli_bad_argument_is_an_error_message_not_a_traceback(tmp_path, capsys):
+    # In this process: a ValueError escaping the CLI would fail pytest.raises(SystemExit) (as in
+    # tests/train/test_cli.py); the argparse error is exit status 2 with the message on stderr.
+    with pytest.raises(SystemExit) as e:
+        S.main(["--quick", "--only", "mamba", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert "error: only: unknown architecture(s) ['mamba']" in err
 
 
 def test_scorecard_rejects_unknown_architecture(tmp_path):
@@ -184,13 +186,14 @@ def test_verdicts_in_words_and_untaught_rows_excluded():
     assert "MiB" in text and " MB" not in text and "2 layers" in text
 
 
-def test_quick_help_and_readme_agree_on_the_time():
+def test_quick_help_and_readme_agree_on_the_time(capsys):
     import re
     from pathlib import Path
 
     readme = (Path(S.__file__).resolve().parent.parent / "README.md").read_text()
     line = next(l for l in readme.splitlines() if "scorecard --quick" in l)
     minutes = re.search(r"(\d+) minutes", line).group(1)
-    parser_help = subprocess.run([sys.executable, "-m", "experiments.scorecard", "--help"], capture_output=True,
-                                 text=True, timeout=120).stdout
+    with pytest.raises(SystemExit):
+        S.main(["--help"])
+    parser_help = capsys.readouterr().out
     assert f"about {minutes} minutes" in " ".join(parser_help.split())
