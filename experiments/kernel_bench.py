@@ -489,7 +489,7 @@ def main(argv=None):
         key, sep, val = item.partition("=")
         if not sep:
             ap.error(f"--pallas_tuning: expected knob=value items, got {item!r}")
-        if key not in ("bv", "num_warps", "num_warps_state", "num_stages_state", "anchored_bwd"):
+        if key not in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "anchored_bwd"):
             ap.error(f"--pallas_tuning: unknown knob {key!r}")
         if key == "anchored_bwd":
             from kernels.delta.api import ANCHORED_BWD

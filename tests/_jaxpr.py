@@ -25,3 +25,23 @@ def live_calls(jaxpr, names) -> int:
                         n += count(inner)
         return n
     return count(jaxpr)
+
+
+def pallas_launches(jaxpr) -> list:
+    """``(kernel name, compiler_params)`` of every ``pallas_call`` in a jaxpr, nested jaxprs included."""
+    out = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "pallas_call":
+                info = getattr(e.params.get("jaxpr"), "debug_info", None)
+                out.append((getattr(info, "func_name", None) or str(e.params.get("name")),
+                            e.params.get("compiler_params")))
+                continue
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+    walk(jaxpr)
+    return out

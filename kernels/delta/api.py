@@ -96,6 +96,7 @@ class Spec:
     num_warps: int
     num_warps_state: int
     num_stages_state: int = STATE_STAGES  # GPU: Triton software-pipelining stages of the state passes' loop
+    num_warps_scores: int = 4  # GPU: warps of the backward's scores kernel (``default_warps_scores``)
     anchored_bwd: str = "scores"  # per-channel gates: whether the backward's scores kernel anchors (ANCHORED_BWD)
 
 
@@ -141,25 +142,25 @@ def _state_spec(s: Spec, cols, f):
     return pl.BlockSpec((None, None, s.K, cols), lambda *i: (lambda b, h, d: (b, h, 0, d))(*f(*i)))
 
 
-def _params(s: Spec, semantics, state=False):
+def _params(s: Spec, semantics, state=False, warps=None):
     if s.target == "gpu":
         if pltriton is None:
             return None
         if state:
             return pltriton.CompilerParams(num_warps=s.num_warps_state, num_stages=s.num_stages_state)
-        return pltriton.CompilerParams(num_warps=s.num_warps, num_stages=1)
+        return pltriton.CompilerParams(num_warps=s.num_warps if warps is None else warps, num_stages=1)
     if pltpu is None:
         return None
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, state=False, scratch=()):
+def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, state=False, scratch=(), warps=None):
     kw = {}
     if scratch:
         kw["scratch_shapes"] = list(scratch)
     return pl.pallas_call(
         body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=_params(s, semantics, state), interpret=s.interpret, **kw)
+        compiler_params=_params(s, semantics, state, warps), interpret=s.interpret, **kw)
 
 
 # ---------------------------------------------------------------------------
@@ -321,6 +322,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
     dq, dk, dbeta, *dg = _call(
         s, functools.partial(kn.intra_bwd_scores, cfg), grid=grid,
         in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par,
+        warps=s.num_warps_scores,
     )(*args, ut, do, h, dh, dkk, dru, dbp)
     return (dq, dk, dv, dbeta, *dg)
 
@@ -406,6 +408,16 @@ def default_bv(BH: int, V: int) -> int:
     return bv
 
 
+def default_warps_scores(gate: str, num_warps: int) -> int:
+    """GPU: warps of the backward's scores kernel (dq, dk, dβ, dg). With per-channel gates its tiles
+    (decayed q, k and their gradients, K wide) overflow 4 warps' registers — ptxas spilled 1744 B
+    per thread for KDA at 4 warps, 260 B at 8 — so KDA's runs with 8; the other rules' with
+    ``num_warps``. On one H200 (bf16, (2, 8192), H 16, D 128) KDA's intra-chunk backward took
+    4.23 ms with 4 warps and 3.48 with 8; DeltaNet's 1.44 with 4 and 2.40 with 8 (all its kernels
+    at 8 warps)."""
+    return 8 if gate == "channel" else num_warps
+
+
 def check_chunk_size(chunk_size) -> None:
     if not isinstance(chunk_size, int) or chunk_size < 16 or chunk_size % 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"`chunk_size` must be a power of two >= 16 for the Pallas kernels, got {chunk_size!r}")
@@ -438,7 +450,7 @@ def _check_gate_bound(g, gate, bound):
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, num_stages_state=None, state_dtype=None,
-             anchored_bwd=None):
+             anchored_bwd=None, num_warps_scores=None):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     gate_bound = _check_gate_bound(g, gate, gate_lower_bound)
     if q.ndim != 4:
@@ -485,6 +497,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
              num_warps=num_warps, num_warps_state=num_warps_state,
              num_stages_state=STATE_STAGES if num_stages_state is None else int(num_stages_state),
+             num_warps_scores=(default_warps_scores(cfg.gate, num_warps) if num_warps_scores is None
+                               else int(num_warps_scores)),
              anchored_bwd=anchored_bwd)
 
     def prep(a, D0, D, dtype):
@@ -531,7 +545,7 @@ def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
     """``(spec, laid-out args)`` for timing the five kernels one by one (benchmarks). ``gate``:
     None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
     ``gate_lower_bound``, ``chunk_size`` and the launch knobs (``bv``, ``num_warps``,
-    ``num_warps_state``, ``num_stages_state``, ``anchored_bwd``)."""
+    ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``anchored_bwd``)."""
     if gate is None and g is not None:
         gate = "channel" if g.ndim == 4 else "scalar"
     tuning.setdefault("chunk_size", None)

@@ -97,7 +97,7 @@ def ptxas_usage(kernel) -> str:
             f"spill_st={spill.group(1) if spill else '?'}B spill_ld={spill.group(2) if spill else '?'}B")
 
 
-def compile_all(outdir, num_warps=4, label=""):
+def compile_all(outdir, num_warps=4, label="", num_warps_scores=None):
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -112,8 +112,10 @@ def compile_all(outdir, num_warps=4, label=""):
         try:
             # the launch's own pipelining: the state passes' chunk loops run STATE_STAGES stages
             stages = api.STATE_STAGES if "_state_" in name else 1
+            # ... and its warps: the backward's scores kernel may run wider (api.default_warps_scores)
+            warps = num_warps_scores if num_warps_scores and "intra_bwd_scores" in name else num_warps
             k = triton.compile(os.path.join(outdir, name), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": num_warps, "num_stages": stages})
+                               options={"num_warps": warps, "num_stages": stages})
             dt = time.time() - t
             times[name] = dt
             print(f"{label}{name:28s} OK   {dt:6.1f} s  shared={k.metadata.shared}  {ptxas_usage(k)}", flush=True)
@@ -139,6 +141,8 @@ def main(argv=None):
     if not args.keep_cache:
         cache = tempfile.TemporaryDirectory()
         os.environ["TRITON_CACHE_DIR"] = cache.name  # read when triton compiles
+    from . import api
+
     gates = GATES if args.gate == "all" else tuple(args.gate.split(","))
     for g in gates:
         if g not in GATES:
@@ -152,7 +156,9 @@ def main(argv=None):
                 with tempfile.TemporaryDirectory() as d:
                     n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk, args.anchored_bwd)
                     print(f"{label}{n} kernels lowered", flush=True)
-                    good, times = compile_all(d, args.num_warps, label)
+                    kind = "channel" if gate.startswith("kda") else "none"
+                    good, times = compile_all(d, args.num_warps, label,
+                                              api.default_warps_scores(kind, args.num_warps))
                     ok = ok and good
                     summary.append((label, times))
     print("\ncompile seconds per kernel:")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests._jaxpr import live_pallas_calls
+from tests._jaxpr import live_pallas_calls, pallas_launches
 
 from kernels.delta import api as kd
 from kernels.delta import reference as kref
@@ -246,6 +246,35 @@ def test_default_value_blocks_fill_the_gpu():
     s, _ = api._debug_spec(*(jnp.zeros((1, 64, 16, 128), jnp.bfloat16),) * 3, None,
                            jnp.zeros((1, 64, 16), jnp.bfloat16))
     assert (s.bv, s.num_stages_state) == (16, api.STATE_STAGES)
+
+
+@pytest.mark.parametrize("rule,warps", [("kda", 8), ("kda_bounded", 8), ("delta", 4), ("gdn", 4)])
+def test_scores_kernel_warps_follow_the_gate(rule, warps):
+    """GPU launches: the backward's scores kernel runs ``default_warps_scores`` warps (8 for
+    per-channel gates, whose tiles spill at 4), every other parallel kernel ``num_warps``; an
+    explicit ``num_warps_scores`` overrides the default. Traced only (no compile)."""
+    x = make_inputs(2)
+    q, k, v, g, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta"))
+
+    def launches(**tuning):
+        def f(q, k, v, g, beta):
+            if rule.startswith("kda"):
+                bound = {"gate_lower_bound": -5.0} if rule == "kda_bounded" else {}
+                o, _ = kd.chunk_kda(q, k, v, jnp.maximum(g, -5.0), beta, target="gpu", interpret=False,
+                                   **bound, **tuning)
+            elif rule == "gdn":
+                o, _ = kd.chunk_gated_delta_rule(q, k, v, g[..., 0], beta, target="gpu", interpret=False, **tuning)
+            else:
+                o, _ = kd.chunk_delta_rule(q, k, v, beta, target="gpu", interpret=False, **tuning)
+            return jnp.sum(o)
+        jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, k, v, g, beta).jaxpr
+        return {name: p.num_warps for name, p in pallas_launches(jaxpr)}
+
+    got = launches()
+    scores = [n for n in got if "intra_bwd_scores" in n]
+    assert len(scores) == 1 and got[scores[0]] == warps
+    assert all(w == 4 for n, w in got.items() if n not in scores)
+    assert launches(num_warps_scores=2)[scores[0]] == 2
 
 
 @pytest.mark.parametrize("policy", ["names", "nothing"])
