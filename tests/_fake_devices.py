@@ -37,7 +37,8 @@ def fake_device_xla_flags(devices: int, base: Optional[str] = None) -> str:
     flags = [os.environ.get("XLA_FLAGS", "") if base is None else base,
              f"--xla_force_host_platform_device_count={devices}"]
     for flag, value in (("xla_backend_optimization_level", "0"), ("xla_llvm_disable_expensive_passes", "true"),
-                        ("xla_cpu_use_fusion_emitters", "false"), (YNN_FLAG, "")):
+                        ("xla_cpu_use_fusion_emitters", "false"), ("xla_cpu_parallel_codegen_split_count", "1"),
+                        (YNN_FLAG, "")):
         if jaxlib_knows(flag):
             flags.append(f"--{flag}={value}")
     return " ".join(f for f in flags if f)

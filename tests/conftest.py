@@ -31,12 +31,16 @@ if _cpu_only() and "--xla_backend_optimization_level" not in os.environ.get("XLA
 # The other half of XLA:CPU's compile time here is its MLIR fusion emitters; the classic elemental
 # emitter generates the same fusions' loops in about half the CPU time (tests/layers/test_mla.py with
 # tests/memory/test_softmax.py, one process: 103 -> 52 s of CPU; results equal up to float rounding,
-# and every tolerance holds). Only where this jaxlib still has the flag (an unknown flag is fatal).
-if _cpu_only() and "--xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+# and every tolerance holds). And XLA:CPU splits each program's LLVM module into parts compiled by a
+# thread pool: for the suite's small programs the split costs more than it saves (one part:
+# tests/layers/test_mixers.py 78 -> 69 s of CPU). Only where this jaxlib has the flags (an unknown
+# flag is fatal).
+if _cpu_only():
     from tests._fake_devices import jaxlib_knows
 
-    if jaxlib_knows("xla_cpu_use_fusion_emitters"):
-        os.environ["XLA_FLAGS"] = (os.environ["XLA_FLAGS"] + " --xla_cpu_use_fusion_emitters=false").strip()
+    for _flag, _value in (("xla_cpu_use_fusion_emitters", "false"), ("xla_cpu_parallel_codegen_split_count", "1")):
+        if f"--{_flag}" not in os.environ.get("XLA_FLAGS", "") and jaxlib_knows(_flag):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{_flag}={_value}").strip()
 
 # One compilation cache per test run, shared by the xdist workers and the CLI tests' subprocesses
 # (they inherit the environment): a program compiled by one test is loaded, not compiled again, by
