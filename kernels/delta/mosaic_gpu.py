@@ -1,4 +1,7 @@
-"""The forward state pass of the chunked delta rule on the Pallas **Mosaic GPU** lowering.
+"""The state passes of the chunked delta rule on the Pallas **Mosaic GPU** lowering.
+
+:func:`state_fwd` (below) and :func:`state_bwd` (the reverse pass, same tiles and loads:
+see its section).
 
 This is the sequential kernel of :func:`kernels.delta.api._state_fwd` (GPU flavour: the Triton
 ``state_fwd_loop``) written for ``jax.experimental.pallas.mosaic_gpu`` (Hopper: TMA copies,
@@ -52,8 +55,8 @@ Constraints (``ValueError`` naming the argument otherwise): ``K`` and ``V`` mult
 ``K <= 256``; ``chunk`` 16, 32 or a multiple of 64 (at most 256), dividing ``T``; ``block_v``
 64 or 128, dividing ``V``. ``interpret=True`` (or an ``InterpretGPUParams``) runs the kernel
 in the Mosaic GPU interpreter on the CPU. The tests check it there against a plain ``jnp``
-loop, beside the Triton state pass of :mod:`kernels.delta.api`, and check that it lowers for
-CUDA (``tests/kernels/test_mosaic_gpu_state.py``).
+loop and beside the Triton state pass of :mod:`kernels.delta.api`, and check that both passes
+lower for CUDA (``tests/kernels/test_mosaic_gpu_state.py``).
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ def _plan(W, U, kout, dend, h0, chunk, state_dtype, block_v, stages, interpret):
                 return _Plan(B, H, N, chunk, K, V, block_v, parts, mm_dtype, dt, state_dtype, st, ob,
                              interpret)
     raise ValueError(f"the tiles of `chunk`={chunk}, K={K}, `block_v`={block_v} ({dt}) need "
-                     f"{size(1, 1)} bytes of SMEM, more than {SMEM_BUDGET}: use a smaller chunk or block_v")
+                     f"{size(1, 1)} bytes of SMEM, more than {SMEM_BUDGET}: use a smaller chunk, or 16-bit inputs")
 
 
 def _swizzled(dtype, cols):
@@ -214,8 +217,19 @@ def _split(x, p: _Plan):
     return hi, (x - hi.astype(F32)).astype(p.mm_dtype)
 
 
+def _matmul(p: _Plan, shape, *operands):
+    """``Σ A @ B`` over ``operands`` (pairs of per-part SMEM refs ``[A parts], [B parts]``) in one
+    wgmma accumulator (zero-initialised); returns it as a float32 array in the wgmma layout."""
+    def run(acc):
+        for a_refs, b_refs in operands:
+            for ia, ib in p.pairs:
+                plgpu.wgmma(acc, a_refs[ia], b_refs[ib])
+        return acc[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, F32))
+
+
 # ---------------------------------------------------------------------------
-# kernel
+# forward kernel
 # ---------------------------------------------------------------------------
 def _kernel(p: _Plan, *refs):
     P = p.parts
@@ -240,13 +254,6 @@ def _kernel(p: _Plan, *refs):
         for op in range(nops):
             plgpu.barrier_wait(bars.at[slot * nops + op])
 
-    def matmul(shape, a_refs, b_refs):
-        def run(acc):
-            for ia, ib in p.pairs:
-                plgpu.wgmma(acc, a_refs[ia], b_refs[ib])
-            return acc[...]
-        return pl.run_scoped(run, plgpu.ACC(shape, F32))
-
     # the initial state: h0 through the final-state staging buffer
     plgpu.copy_gmem_to_smem(h0_g.at[b, h, :, vcols], f_st, bars.at[p.stages * nops])
     for n in range(p.stages):  # fill the ring (stages <= N)
@@ -269,7 +276,7 @@ def _kernel(p: _Plan, *refs):
         plgpu.copy_smem_to_gmem(h_st.at[ob], h_g.at[b, n, h, :, vcols])
 
         # Ũ = U − W S   (rows C..Mp of the tile are padding)
-        ut = U - matmul((Mp, bv), [w_s.at[slot, i] for i in range(P)], [s_mm.at[i] for i in range(P)])
+        ut = U - _matmul(p, (Mp, bv), ([w_s.at[slot, i] for i in range(P)], [s_mm.at[i] for i in range(P)]))
         ut_st.at[ob][...] = ut.astype(p.store_dtype)
         for i, part in enumerate(_split(ut, p)):
             ut_mm.at[i][...] = part
@@ -277,7 +284,7 @@ def _kernel(p: _Plan, *refs):
         plgpu.copy_smem_to_gmem(ut_st.at[ob, pl.ds(0, C)], ut_g.at[b, pl.ds(n * C, C), h, vcols])
 
         # S ← d ⊙ S + k_outᵀ Ũ
-        kU = matmul((p.K, bv), [ko_s.at[slot, i] for i in range(P)], [ut_mm.at[i, pl.ds(0, C)] for i in range(P)])
+        kU = _matmul(p, (p.K, bv), ([ko_s.at[slot, i] for i in range(P)], [ut_mm.at[i, pl.ds(0, C)] for i in range(P)]))
         S = lax.broadcast_in_dim(d, S.shape, [0]) * S + kU
 
         # the slot is consumed (its wgmmas completed above; U and d were read before a commit_smem)
@@ -330,3 +337,185 @@ def state_fwd(W, U, kout, dend, h0, *, chunk, state_dtype=None, interpret=False,
                      grid=(B, H, p.nv), grid_names=("b", "h", "j"), interpret=_interpret_arg(interpret))
     h, ut, fin = f(*w_parts, *ko_parts, U, d, h0.astype(F32))
     return h, ut, fin
+
+
+# ---------------------------------------------------------------------------
+# backward state pass
+# ---------------------------------------------------------------------------
+# Reverse over chunks, with the cotangent ``dS [K, bv]`` of the state after chunk n (starting at
+# the final state's cotangent): ``dh[n] = dS``, ``dŨ_n = M_nᵀ dO_n + k_out_n dS``,
+# ``dS ← q_inₙᵀ dO_n + d_n ⊙ dS − W_nᵀ dŨ_n`` (``kernels.state_bwd_step``). Same tiles as the
+# forward: ``dŨ`` is an ``[Mp, bv]`` accumulator (A operands ``M_nᵀ [Mp, C]`` and ``k_out_n
+# [Mp, K]``), ``dS`` a ``[K, bv]`` one (A operands ``q_inₙᵀ, W_nᵀ [K, C]``); ``M``, ``q_in`` and
+# ``W`` are transposed outside the kernel, ``−dŨ`` is what goes to SMEM, so both products of the
+# ``dS`` update accumulate in one wgmma accumulator.
+def _bwd_smem_bytes(C, K, bv, parts, mm_dtype, store_dtype, state_dtype, stages, out_bufs):
+    Mp = max(C, WG_ROWS)
+    mb, sb, hb = (jnp.dtype(t).itemsize for t in (mm_dtype, store_dtype, state_dtype))
+    ring = stages * (parts * (Mp * C + Mp * K + 2 * K * C + C * bv) * mb + K * 4)
+    mm_copies = parts * (K * bv + Mp * bv) * mb
+    staging = out_bufs * (K * bv * hb + Mp * bv * sb) + K * bv * 4
+    return ring + mm_copies + staging
+
+
+def _plan_bwd(M, do, kout, qin, W, dend, dsT, chunk, state_dtype, block_v, stages, interpret):
+    if W.ndim != 4:
+        raise ValueError(f"`W` must be [B, T, H, K], got shape {W.shape}")
+    B, T, H, K = W.shape
+    for name, a in (("kout", kout), ("qin", qin)):
+        if a.shape != W.shape:
+            raise ValueError(f"`{name}` must have W's shape {W.shape}, got {a.shape}")
+    if do.ndim != 4 or do.shape[:3] != (B, T, H):
+        raise ValueError(f"`do` must be [B, T, H, V] with (B, T, H) = {(B, T, H)}, got shape {do.shape}")
+    V = do.shape[3]
+    if not isinstance(chunk, int) or chunk < 16 or not (chunk in (16, 32) or chunk % 64 == 0) or chunk > 256:
+        raise ValueError(f"`chunk` must be 16, 32 or a multiple of 64 up to 256, got {chunk!r}")
+    if T % chunk:
+        raise ValueError(f"`chunk` ({chunk}) must divide the token axis of W (T = {T})")
+    N = T // chunk
+    if M.shape != (B, T, H, chunk):
+        raise ValueError(f"`M` must be [B, T, H, chunk] = {(B, T, H, chunk)}, got {M.shape}")
+    if K % 64 or K > 256:
+        raise ValueError(f"`W`: the key dim K must be a multiple of 64 and at most 256, got {K}")
+    if V % 64:
+        raise ValueError(f"`do`: the value dim V must be a multiple of 64, got {V}")
+    if dend.shape != (B, N, H, K, 1):
+        raise ValueError(f"`dend` must be [B, N, H, K, 1] = {(B, N, H, K, 1)}, got {dend.shape}")
+    if dsT.shape != (B, H, K, V):
+        raise ValueError(f"`dsT` must be [B, H, K, V] = {(B, H, K, V)}, got {dsT.shape}")
+    if block_v not in (64, 128) or V % block_v:
+        raise ValueError(f"`block_v` must be 64 or 128 and divide V = {V}, got {block_v!r}")
+    dt = jnp.dtype(W.dtype)
+    if any(jnp.dtype(a.dtype) != dt for a in (M, do, kout, qin)):
+        raise ValueError(f"`M`, `do`, `kout`, `qin` and `W` must share one dtype, got "
+                         f"{[str(a.dtype) for a in (M, do, kout, qin, W)]}")
+    if dt in (jnp.dtype(BF16), jnp.dtype(jnp.float16)):
+        parts, mm_dtype = 1, dt
+    elif dt == jnp.dtype(F32):
+        parts, mm_dtype = 2, jnp.dtype(BF16)
+    else:
+        raise ValueError(f"`W`: dtype must be bfloat16, float16 or float32, got {dt}")
+    state_dtype = dt if state_dtype is None else jnp.dtype(state_dtype)
+    if stages is not None and (not isinstance(stages, int) or stages < 1):
+        raise ValueError(f"`stages` must be a positive int or None, got {stages!r}")
+    want = [stages] if stages is not None else [min(3, N), 2, 1]
+    size = functools.partial(_bwd_smem_bytes, chunk, K, block_v, parts, mm_dtype, dt, state_dtype)
+    for st in dict.fromkeys(max(1, min(s, N)) for s in want):
+        for ob in (2, 1):
+            if size(st, ob) <= SMEM_BUDGET:
+                return _Plan(B, H, N, chunk, K, V, block_v, parts, mm_dtype, dt, state_dtype, st, ob,
+                             interpret)
+    raise ValueError(f"the tiles of `chunk`={chunk}, K={K}, `block_v`={block_v} ({dt}) need "
+                     f"{size(1, 1)} bytes of SMEM, more than {SMEM_BUDGET}: use a smaller chunk, or 16-bit inputs")
+
+
+def _bwd_kernel(p: _Plan, *refs):
+    P = p.parts
+    mT_g, ko_g, qiT_g, wT_g, do_g = (refs[i * P:(i + 1) * P] for i in range(5))
+    d_g, dsT_g, dh_g, dut_g, dh0_g = refs[5 * P:5 * P + 5]
+    mT_s, ko_s, qiT_s, wT_s, do_s, d_s, s_mm, ut_mm, h_st, ut_st, f_st, bars = refs[5 * P + 5:]
+    C, Mp, bv, N = p.C, p.Mp, p.bv, p.N
+    b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
+    vcols = pl.ds(j * bv, bv)
+    nops = 5 * P + 1
+
+    def issue_loads(n, slot):
+        rows = pl.ds(n * C, C)
+        bar = lambda op: bars.at[slot * nops + op]  # noqa: E731
+        for i in range(P):
+            plgpu.copy_gmem_to_smem(mT_g[i].at[b, rows, h], mT_s.at[slot, i, pl.ds(0, C)], bar(i))
+            plgpu.copy_gmem_to_smem(ko_g[i].at[b, rows, h], ko_s.at[slot, i, pl.ds(0, C)], bar(P + i))
+            plgpu.copy_gmem_to_smem(qiT_g[i].at[b, h, :, rows], qiT_s.at[slot, i], bar(2 * P + i))
+            plgpu.copy_gmem_to_smem(wT_g[i].at[b, h, :, rows], wT_s.at[slot, i], bar(3 * P + i))
+            plgpu.copy_gmem_to_smem(do_g[i].at[b, rows, h, vcols], do_s.at[slot, i], bar(4 * P + i))
+        plgpu.copy_gmem_to_smem(d_g.at[b, n, h], d_s.at[slot], bar(5 * P))
+
+    plgpu.copy_gmem_to_smem(dsT_g.at[b, h, :, vcols], f_st, bars.at[p.stages * nops])
+    for i in range(p.stages):
+        issue_loads(N - 1 - i, i)
+    plgpu.barrier_wait(bars.at[p.stages * nops])
+    dS0 = _layout(f_st[...], plgpu.Layout.WGMMA, p)
+
+    def body(i, dS):
+        n = N - 1 - i
+        slot = lax.rem(i, p.stages)
+        ob = lax.rem(i, p.out_bufs)
+        plgpu.wait_smem_to_gmem(2 * (p.out_bufs - 1), wait_read_only=True)
+        h_st.at[ob][...] = dS.astype(p.state_dtype)
+        for k, part in enumerate(_split(dS, p)):
+            s_mm.at[k][...] = part
+        for op in range(nops):
+            plgpu.barrier_wait(bars.at[slot * nops + op])
+        d = _layout(d_s.at[slot][...], plgpu.Layout.WGMMA.reduce(1), p)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(h_st.at[ob], dh_g.at[b, n, h, :, vcols])
+
+        parts = range(P)
+        # dŨ = Mᵀ dO + k_out dS   (rows C..Mp are padding)
+        dut = _matmul(p, (Mp, bv), ([mT_s.at[slot, k] for k in parts], [do_s.at[slot, k] for k in parts]),
+                      ([ko_s.at[slot, k] for k in parts], [s_mm.at[k] for k in parts]))
+        ut_st.at[ob][...] = dut.astype(p.store_dtype)
+        for k, part in enumerate(_split(-dut, p)):
+            ut_mm.at[k][...] = part
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ut_st.at[ob, pl.ds(0, C)], dut_g.at[b, pl.ds(n * C, C), h, vcols])
+
+        # dS ← q_inᵀ dO + d ⊙ dS − Wᵀ dŨ
+        upd = _matmul(p, (p.K, bv), ([qiT_s.at[slot, k] for k in parts], [do_s.at[slot, k] for k in parts]),
+                      ([wT_s.at[slot, k] for k in parts], [ut_mm.at[k, pl.ds(0, C)] for k in parts]))
+        dS = lax.broadcast_in_dim(d, dS.shape, [0]) * dS + upd
+
+        @pl.when(i + p.stages < N)
+        def _():
+            issue_loads(n - p.stages, slot)
+        return dS
+
+    dS = lax.fori_loop(0, N, body, dS0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    f_st[...] = dS
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(f_st, dh0_g.at[b, h, :, vcols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def state_bwd(M, do, kout, qin, W, dend, dsT, *, chunk, state_dtype=None, interpret=False, block_v=64,
+              stages=None):
+    """``(dh [B, N, H, K, V], dŨ [B, T, H, V], dh0 [B, H, K, V] f32)``: the backward state pass
+    (``api._state_bwd``'s arguments and results). ``M [B, T, H, chunk]``, ``do [B, T, H, V]``,
+    ``kout, qin, W [B, T, H, K]`` (one dtype), ``dend [B, N, H, K, 1]`` f32, ``dsT [B, H, K, V]``
+    f32 (the final state's cotangent); ``dh[n]`` is the cotangent of the state after chunk ``n``.
+    Other arguments as :func:`state_fwd`."""
+    p = _plan_bwd(M, do, kout, qin, W, dend, dsT, chunk, state_dtype, block_v, stages,
+                  _interpret_arg(interpret) is not None)
+    B, H, N, C, K, V, bv, P = p.B, p.H, p.N, p.C, p.K, p.V, p.bv, p.parts
+    T = N * C
+    # per chunk, M_nᵀ: [B, T, H, C] with row s of chunk n holding column s of M_n
+    mT = jnp.transpose(M.reshape(B, N, C, H, C), (0, 1, 4, 3, 2)).reshape(B, T, H, C)
+    tr = lambda x: jnp.transpose(x, (0, 2, 3, 1))  # noqa: E731  [B, T, H, K] -> [B, H, K, T]
+    ops = [mT, kout, tr(qin), tr(W), do]
+    if P == 2:
+        ops = [_split(x.astype(F32), p) for x in ops]
+    else:
+        ops = [(x,) for x in ops]
+    d = dend.reshape(B, N, H, K).astype(F32)
+    mm, st = p.mm_dtype, p.stages
+    scratch = [
+        plgpu.SMEM((st, P, p.Mp, C), mm, transforms=_swizzled(mm, C)),           # M_nᵀ
+        plgpu.SMEM((st, P, p.Mp, K), mm, transforms=_swizzled(mm, K)),           # k_out_n
+        plgpu.SMEM((st, P, K, C), mm, transforms=_swizzled(mm, C)),              # q_inₙᵀ
+        plgpu.SMEM((st, P, K, C), mm, transforms=_swizzled(mm, C)),              # W_nᵀ
+        plgpu.SMEM((st, P, C, bv), mm, transforms=_swizzled(mm, C)),             # dO_n
+        plgpu.SMEM((st, K), F32),                                                # d_n
+        plgpu.SMEM((P, K, bv), mm, transforms=_swizzled(mm, bv)),                # dS operand
+        plgpu.SMEM((P, p.Mp, bv), mm, transforms=_swizzled(mm, C)),              # −dŨ operand
+        plgpu.SMEM((p.out_bufs, K, bv), p.state_dtype, transforms=_swizzled(p.state_dtype, bv)),  # dh staging
+        plgpu.SMEM((p.out_bufs, p.Mp, bv), p.store_dtype, transforms=_swizzled(p.store_dtype, bv)),  # dŨ staging
+        plgpu.SMEM((K, bv), F32, transforms=_swizzled(F32, bv)),                 # dsT / dh0
+        plgpu.Barrier(num_barriers=st * (5 * P + 1) + 1),
+    ]
+    out_type = [jax.ShapeDtypeStruct((B, N, H, K, V), p.state_dtype),
+                jax.ShapeDtypeStruct((B, T, H, V), p.store_dtype),
+                jax.ShapeDtypeStruct((B, H, K, V), F32)]
+    f = plgpu.kernel(functools.partial(_bwd_kernel, p), out_type=out_type, scratch_types=scratch,
+                     grid=(B, H, p.nv), grid_names=("b", "h", "j"), interpret=_interpret_arg(interpret))
+    return f(*[x for parts in ops for x in parts], d, dsT.astype(F32))

@@ -1,11 +1,11 @@
-"""The Mosaic GPU forward state pass (:mod:`kernels.delta.mosaic_gpu`).
+"""The Mosaic GPU state passes (:mod:`kernels.delta.mosaic_gpu`).
 
 In the Mosaic GPU interpreter on the CPU, against a float32 ``jnp`` loop of the state
 equations (HIGHEST precision): bf16 and f32 inputs, per-key and all-ones decays, three or
 more chunks, an initial state, two value blocks. Also: the Triton-lowered state pass of
 :mod:`kernels.delta.api` (interpreted) gives the same results for the same arguments; the
 kernel lowers for CUDA from this CPU (a Mosaic GPU custom call); bad shapes raise
-``ValueError`` naming the argument.
+``ValueError`` naming the argument. The backward state pass likewise (bf16, f32; CUDA export; shapes).
 """
 
 import re
@@ -136,3 +136,65 @@ def test_state_fwd_bad_shapes():
         f(W, U, kout, dend, h0[:, :, :, :64], chunk=C)
     with pytest.raises(ValueError, match="`block_v`"):
         f(W, U, kout, dend, h0, chunk=C, block_v=32)
+
+
+# ----------------------------------------------------------------------------- backward state pass
+def bwd_reference(M, do, kout, qin, W, dend, dsT, C):
+    """``dh`` (cotangents of the states after each chunk), ``dŨ`` and ``dh0``, in float32."""
+    hp = jax.lax.Precision.HIGHEST
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    N = W.shape[1] // C
+    dS, dh, dut = f(dsT), [None] * N, [None] * N
+    for n in reversed(range(N)):
+        rows = slice(n * C, (n + 1) * C)
+        m, o, k, q, w = (f(x[:, rows]) for x in (M, do, kout, qin, W))
+        dh[n] = dS
+        du = jnp.einsum("bthc,bthv->bchv", m, o, precision=hp) + jnp.einsum("bchk,bhkv->bchv", k, dS, precision=hp)
+        dS = (jnp.einsum("bchk,bchv->bhkv", q, o, precision=hp) + dend[:, n] * dS
+              - jnp.einsum("bchk,bchv->bhkv", w, du, precision=hp))
+        dut[n] = du
+    return jnp.stack(dh, axis=1), jnp.concatenate(dut, axis=1), dS
+
+
+def make_bwd_inputs(seed, dtype, C, N):
+    r = np.random.default_rng(seed)
+    T = N * C
+    small = lambda *s: jnp.asarray(r.uniform(-0.3, 0.3, s), dtype)  # noqa: E731
+    M = small(B, T, H, C)
+    do = jnp.asarray(r.normal(size=(B, T, H, V)), dtype)
+    kout, qin, W = small(B, T, H, K), small(B, T, H, K), small(B, T, H, K)
+    dend = jnp.asarray(np.exp(-r.uniform(0.0, 1.0, (B, N, H, K, 1))), jnp.float32)
+    dsT = jnp.asarray(r.normal(size=(B, H, K, V)), jnp.float32)
+    return M, do, kout, qin, W, dend, dsT
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_state_bwd_matches_reference(dtype):
+    C, N = 32, 3
+    args = make_bwd_inputs(4, jnp.dtype(dtype), C, N)
+    dh, dut, dh0 = jax.jit(lambda *a: mg.state_bwd(*a, chunk=C, interpret=True))(*args)
+    assert dh.shape == (B, N, H, K, V) and dut.shape == (B, N * C, H, V) and dh0.dtype == jnp.float32
+    for name, got, want in zip(("dh", "dut", "dh0"), (dh, dut, dh0), bwd_reference(*args, C)):
+        err = rel_err(got, want)
+        assert err <= TOL[dtype], (name, err)
+
+
+def test_state_bwd_lowers_for_cuda():
+    sd = jax.ShapeDtypeStruct
+    bf, C, N, D = jnp.bfloat16, 32, 4, 128
+    tok = sd((2, N * C, 2, D), bf)
+    shapes = [sd((2, N * C, 2, C), bf), tok, tok, tok, tok, sd((2, N, 2, D, 1), jnp.float32),
+              sd((2, 2, D, D), jnp.float32)]
+    exp = jax.export.export(jax.jit(lambda *a: mg.state_bwd(*a, chunk=C)), platforms=["cuda"])(*shapes)
+    assert re.search(r"custom_call @mosaic_gpu\w*", exp.mlir_module())
+
+
+def test_state_bwd_bad_shapes():
+    C, N = 32, 3
+    M, do, kout, qin, W, dend, dsT = make_bwd_inputs(5, jnp.bfloat16, C, N)
+    with pytest.raises(ValueError, match="`M`"):
+        mg.state_bwd(M[..., :16], do, kout, qin, W, dend, dsT, chunk=C)
+    with pytest.raises(ValueError, match="`qin`"):
+        mg.state_bwd(M, do, kout, qin[:, :, :1], W, dend, dsT, chunk=C)
+    with pytest.raises(ValueError, match="`dsT`"):
+        mg.state_bwd(M, do, kout, qin, W, dend, dsT[..., :64], chunk=C)
