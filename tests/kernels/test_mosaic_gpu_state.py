@@ -90,7 +90,8 @@ def test_state_fwd_chunk64_state_dtype():
 
 
 def test_state_fwd_matches_triton_state_pass():
-    """Same arguments into the Triton-lowered state pass (``api._state_fwd``, interpreted): same results."""
+    """Same arguments into the Triton-lowered state pass (``api._state_fwd``, interpreted): the same
+    results up to float32 rounding."""
     C, N = 32, 3
     W, U, kout, dend, h0 = make_inputs(2, jnp.bfloat16, C, N)
     q = jnp.zeros((B, N * C, H, K), jnp.bfloat16)
@@ -101,7 +102,9 @@ def test_state_fwd_matches_triton_state_pass():
     got = jax.jit(lambda *a: mg.state_fwd(*a, chunk=C, interpret=True))(W, U, kout, dend, h0)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
-        assert rel_err(g, w) <= TOL["bfloat16"]
+        # both round S and Ũ to bf16 before their matmuls and accumulate in f32: they agree to f32
+        # rounding (measured: bf16 outputs bit-equal, final state 5e-8)
+        assert rel_err(g, w) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
