@@ -24,7 +24,8 @@ Correctness is read from the timed functions themselves: each fwd+bwd jit return
 ``(o, S, grads)`` and the Pallas results are compared with the XLA chunked form at the
 benchmark shape (``check_at_bench_shape`` in the JSON, bf16 tolerance 1e-2). One jit per
 (rule, method, mode) keeps Triton compiles (tens of seconds each) to a minimum. ``--parts check`` adds a small-shape f32/bf16 check with resets and an initial
-state; ``--parts stages`` times the five Pallas kernels one by one.
+state; ``--parts stages`` times the five Pallas kernels one by one; ``--parts mosaic`` times the
+Mosaic GPU state passes (``kernels.delta.mosaic_gpu``) beside the Triton ones and compares them.
 
 Usage (on the device; fla-core installed with ``--target`` from a carried wheel)::
 
@@ -59,6 +60,7 @@ from experiments import common as C  # noqa: E402
 SHAPES = ((2, 8192), (8, 2048), (1, 32768))
 H, D, CHUNK = 16, 128, 64
 RULES = ("kda", "kdab", "delta", "gdn")
+PARTS = ("roofline", "check", "bench", "stages", "mosaic")
 GATE_BOUND = -5.0  # kdab: K3's bounded gate
 PALLAS_TUNING = {}  # --pallas_tuning, e.g. {"bv": 32, "num_warps": 8, "num_warps_state": 8}
 WARPS = tuple(int(w) for w in os.environ.get("BENCH_WARPS", "4").split(","))
@@ -287,6 +289,47 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
     results["stages"] = out
 
 
+def part_mosaic(results, shapes, reps):
+    """The Mosaic GPU state passes (``kernels.delta.mosaic_gpu``) beside the Triton ones on the same
+    laid-out inputs (bf16, DeltaNet-style per-key decays ``d = e^{-u}``, ``u ~ U(0, 1)``): the largest
+    relative difference of each output and the time of each pass."""
+    from kernels.delta import api
+    from kernels.delta import mosaic_gpu as mg
+    out = {}
+    for B, T in shapes:
+        try:
+            C = api.default_chunk("gpu")
+            N = T // C
+            ks = jax.random.split(jax.random.key(0), 9)
+            r = lambda i, shape: jax.random.uniform(ks[i], shape, minval=-0.1, maxval=0.1).astype(jnp.bfloat16)  # noqa: E731
+            W, U, ko, qi, do = (r(i, (B, T, H, D)) for i in range(5))
+            M = r(5, (B, T, H, C))
+            d = jnp.exp(-jax.random.uniform(ks[6], (B, N, H, D, 1)))
+            h0 = jax.random.normal(ks[7], (B, H, D, D))
+            z = jnp.zeros((B, T, H, D), jnp.bfloat16)
+            s, _ = api._debug_spec(z, z, z, None, z[..., 0])
+            it = s.interpret  # the CPU: both in their interpreters
+            fns = {"mosaic fwd": jax.jit(lambda: mg.state_fwd(W, U, ko, d, h0, chunk=C, interpret=it)),
+                   "triton fwd": jax.jit(lambda: api._state_fwd(s, W, U, ko, d, h0)),
+                   "mosaic bwd": jax.jit(lambda: mg.state_bwd(M, do, ko, qi, W, d, h0, chunk=C, interpret=it)),
+                   "triton bwd": jax.jit(lambda: api._state_bwd(s, M, do, ko, qi, W, d, h0))}
+            res = {name: jax.block_until_ready(f()) for name, f in fns.items()}
+
+            def rel(a, b):
+                a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+                return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+            r_ = {f"{m}_ms": time_jax(f, reps=reps) for m, f in fns.items()}
+            for x in ("fwd", "bwd"):
+                r_[f"{x}_rel_diff"] = [rel(a, b) for a, b in zip(res[f"mosaic {x}"], res[f"triton {x}"])]
+            out[f"{B}x{T}"] = r_
+            log("mosaic", B, T, {k: (round(v, 3) if isinstance(v, float) else [f"{e:.1e}" for e in v])
+                                 for k, v in r_.items()})
+        except Exception as ex:  # noqa: BLE001
+            traceback.print_exc()
+            out[f"{B}x{T}"] = {"error": repr(ex)[:2000]}
+    results["mosaic"] = out
+
+
 def use_fla_cache(path: str) -> None:
     """Point Triton's cache (compiled kernels and, with ``TRITON_CACHE_AUTOTUNING``, the autotuner's
     timings) at ``path`` before fla imports Triton, so that a later call with the same directory
@@ -466,7 +509,7 @@ def plot(results, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
-    ap.add_argument("--parts", default="roofline,bench")
+    ap.add_argument("--parts", default="roofline,bench", help="comma-separated subset of " + ",".join(PARTS))
     ap.add_argument("--shapes", default=";".join(f"{b},{t}" for b, t in SHAPES))
     ap.add_argument("--methods", default="pallas,xla,fla,cudnn")
     ap.add_argument("--reps", type=int, default=20)
@@ -506,6 +549,9 @@ def main(argv=None):
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     parts = args.parts.split(",")
+    for part in parts:
+        if part not in PARTS:
+            ap.error(f"--parts: unknown part {part!r} (choose from {', '.join(PARTS)})")
     commit = os.environ.get("COMMIT", "")
     if not commit:
         try:
@@ -544,6 +590,9 @@ def main(argv=None):
         save()
     if "stages" in parts and not over():
         part_stages(results, rules=rules, chunk_size=pc)
+        save()
+    if "mosaic" in parts and not over():
+        part_mosaic(results, shapes, reps)
         save()
     if "bench" in parts:
         for shape in shapes[1:]:

@@ -210,11 +210,20 @@ def _swizzled(dtype, cols):
 
 
 def _split(x, p: _Plan):
-    """``x`` (f32) as ``p.parts`` operands in ``p.mm_dtype``: itself, or bf16 hi and lo."""
+    """``x`` (f32) as ``p.parts`` operands in ``p.mm_dtype``: itself, or bf16 hi and lo. In a kernel
+    body (Mosaic GPU keeps every rounding)."""
     hi = x.astype(p.mm_dtype)
     if p.parts == 1:
         return (hi,)
     return hi, (x - hi.astype(F32)).astype(p.mm_dtype)
+
+
+def _split_xla(x):
+    """``x`` (f32) as bf16 hi and lo outside the kernels. XLA may drop an f32 → bf16 → f32 round trip
+    (excess precision, on by default on GPUs), which would make ``x − hi`` zero; so ``hi`` is ``x``
+    with its low 16 bits cleared (exact in bf16, and ``x − hi`` exact in f32) — a bit mask XLA keeps."""
+    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
+    return hi.astype(BF16), (x - hi).astype(BF16)
 
 
 def _matmul(p: _Plan, shape, *operands):
@@ -313,9 +322,9 @@ def state_fwd(W, U, kout, dend, h0, *, chunk, state_dtype=None, interpret=False,
     B, H, N, C, K, V, bv, P = p.B, p.H, p.N, p.C, p.K, p.V, p.bv, p.parts
     W32 = W.astype(F32) if P == 2 else None
     ko32 = kout.astype(F32) if P == 2 else None
-    w_parts = _split(W32, p) if P == 2 else (W,)
+    w_parts = _split_xla(W32) if P == 2 else (W,)
     koT = jnp.transpose(ko32 if P == 2 else kout, (0, 2, 3, 1))  # [B, H, K, T]
-    ko_parts = _split(koT, p) if P == 2 else (koT,)
+    ko_parts = _split_xla(koT) if P == 2 else (koT,)
     d = dend.reshape(B, N, H, K).astype(F32)
     mm = p.mm_dtype
     scratch = [
@@ -494,7 +503,7 @@ def state_bwd(M, do, kout, qin, W, dend, dsT, *, chunk, state_dtype=None, interp
     tr = lambda x: jnp.transpose(x, (0, 2, 3, 1))  # noqa: E731  [B, T, H, K] -> [B, H, K, T]
     ops = [mT, kout, tr(qin), tr(W), do]
     if P == 2:
-        ops = [_split(x.astype(F32), p) for x in ops]
+        ops = [_split_xla(x.astype(F32)) for x in ops]
     else:
         ops = [(x,) for x in ops]
     d = dend.reshape(B, N, H, K).astype(F32)

@@ -1,9 +1,9 @@
 """The Mosaic GPU state passes (:mod:`kernels.delta.mosaic_gpu`).
 
-In the Mosaic GPU interpreter on the CPU, against a float32 ``jnp`` loop of the state
+Compiled on a GPU, in the Mosaic GPU interpreter elsewhere (the CPU), against a float32 ``jnp`` loop of the state
 equations (HIGHEST precision): bf16 and f32 inputs, per-key and all-ones decays, three or
 more chunks, an initial state, two value blocks. Also: the Triton-lowered state pass of
-:mod:`kernels.delta.api` (interpreted) gives the same results for the same arguments; the
+:mod:`kernels.delta.api` (interpreted or compiled alike) gives the same results for the same arguments; the
 kernel lowers for CUDA from this CPU (a Mosaic GPU custom call); bad shapes raise
 ``ValueError`` naming the argument. The backward state pass likewise (bf16, f32; CUDA export; shapes).
 """
@@ -19,6 +19,9 @@ from kernels.delta import api as kd
 from kernels.delta import mosaic_gpu as mg
 
 B, H, K, V = 1, 2, 64, 128  # V: two 64-wide value blocks
+# Compiled where the kernels' target is the machine's; elsewhere the interpreter. (On a GPU the
+# interpreter's own products run at the GPU's default float32 precision, TF32: not the kernel's.)
+INTERPRET = jax.default_backend() != "gpu"
 pytestmark = pytest.mark.xdist_group("mosaic_gpu_state")
 
 
@@ -69,7 +72,7 @@ TOL = {"float32": 1e-4, "bfloat16": 1e-2}
 def test_state_fwd_matches_reference(dtype, decay):
     C, N = 32, 3
     args = make_inputs(0, jnp.dtype(dtype), C, N, decay)
-    h, ut, sT = jax.jit(lambda *a: mg.state_fwd(*a, chunk=C, interpret=True))(*args)
+    h, ut, sT = jax.jit(lambda *a: mg.state_fwd(*a, chunk=C, interpret=INTERPRET))(*args)
     rh, rut, rsT = reference(*args, C)
     assert h.shape == (B, N, H, K, V) and h.dtype == jnp.dtype(dtype)
     assert ut.shape == (B, N * C, H, V) and ut.dtype == jnp.dtype(dtype)
@@ -83,7 +86,7 @@ def test_state_fwd_chunk64_state_dtype():
     """64-token chunks (no row padding of the wgmma tiles), four chunks, f32 states from bf16 inputs."""
     C, N = 64, 4
     args = make_inputs(1, jnp.bfloat16, C, N)
-    h, ut, sT = jax.jit(lambda *a: mg.state_fwd(*a, chunk=C, state_dtype=jnp.float32, interpret=True))(*args)
+    h, ut, sT = jax.jit(lambda *a: mg.state_fwd(*a, chunk=C, state_dtype=jnp.float32, interpret=INTERPRET))(*args)
     assert h.dtype == jnp.float32
     for got, want in zip((h, ut, sT), reference(*args, C)):
         assert rel_err(got, want) <= TOL["bfloat16"]
@@ -97,14 +100,15 @@ def test_state_fwd_matches_triton_state_pass():
     q = jnp.zeros((B, N * C, H, K), jnp.bfloat16)
     v = jnp.zeros((B, N * C, H, V), jnp.bfloat16)
     spec, _ = kd._prepare(q, q, v, None, jnp.ones((B, N * C, H), jnp.bfloat16), gate=None, scale=None,
-                          initial_state=None, segment_ids=None, chunk_size=C, target="gpu", interpret=True)
+                          initial_state=None, segment_ids=None, chunk_size=C, target="gpu", interpret=INTERPRET)
     want = kd._state_fwd(spec, W, U, kout, dend, h0)
-    got = jax.jit(lambda *a: mg.state_fwd(*a, chunk=C, interpret=True))(W, U, kout, dend, h0)
+    got = jax.jit(lambda *a: mg.state_fwd(*a, chunk=C, interpret=INTERPRET))(W, U, kout, dend, h0)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
-        # both round S and Ũ to bf16 before their matmuls and accumulate in f32: they agree to f32
-        # rounding (measured: bf16 outputs bit-equal, final state 5e-8)
-        assert rel_err(g, w) <= 1e-5
+        # both round S and Ũ to bf16 before their matmuls and accumulate in f32: interpreted, they agree
+        # to f32 rounding (measured: bf16 outputs bit-equal, final state 5e-8); compiled, the tensor
+        # cores' accumulation orders differ, so a bf16 output may round the other way (one bf16 ulp)
+        assert rel_err(g, w) <= (1e-5 if INTERPRET else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -175,7 +179,7 @@ def make_bwd_inputs(seed, dtype, C, N):
 def test_state_bwd_matches_reference(dtype):
     C, N = 32, 3
     args = make_bwd_inputs(4, jnp.dtype(dtype), C, N)
-    dh, dut, dh0 = jax.jit(lambda *a: mg.state_bwd(*a, chunk=C, interpret=True))(*args)
+    dh, dut, dh0 = jax.jit(lambda *a: mg.state_bwd(*a, chunk=C, interpret=INTERPRET))(*args)
     assert dh.shape == (B, N, H, K, V) and dut.shape == (B, N * C, H, V) and dh0.dtype == jnp.float32
     for name, got, want in zip(("dh", "dut", "dh0"), (dh, dut, dh0), bwd_reference(*args, C)):
         err = rel_err(got, want)
