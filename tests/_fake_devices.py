@@ -12,6 +12,10 @@ import os
 from typing import Optional
 
 YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"
+# XLA:CPU compile-time settings of the CPU-only suite beside optimisation level 0 (tests/conftest.py
+# says why each): the classic elemental emitter, one LLVM module part, the plain HLO scheduler.
+FAST_COMPILE_FLAGS = (("xla_cpu_use_fusion_emitters", "false"), ("xla_cpu_parallel_codegen_split_count", "1"),
+                      ("xla_cpu_enable_concurrency_optimized_scheduler", "false"))
 
 
 def jaxlib_knows(flag: str) -> bool:
@@ -37,8 +41,7 @@ def fake_device_xla_flags(devices: int, base: Optional[str] = None) -> str:
     flags = [os.environ.get("XLA_FLAGS", "") if base is None else base,
              f"--xla_force_host_platform_device_count={devices}"]
     for flag, value in (("xla_backend_optimization_level", "0"), ("xla_llvm_disable_expensive_passes", "true"),
-                        ("xla_cpu_use_fusion_emitters", "false"), ("xla_cpu_parallel_codegen_split_count", "1"),
-                        (YNN_FLAG, "")):
+                        *FAST_COMPILE_FLAGS, (YNN_FLAG, "")):
         if jaxlib_knows(flag):
             flags.append(f"--{flag}={value}")
     return " ".join(f for f in flags if f)
