@@ -164,24 +164,40 @@ def _plan(W, U, kout, dend, h0, chunk, state_dtype, block_v, stages, interpret):
     V = U.shape[3]
     if kout.shape != W.shape:
         raise ValueError(f"`kout` must have W's shape {W.shape}, got {kout.shape}")
-    if not isinstance(chunk, int) or chunk < 16 or not (chunk in (16, 32) or chunk % 64 == 0) or chunk > 256:
-        raise ValueError(f"`chunk` must be 16, 32 or a multiple of 64 up to 256, got {chunk!r}")
-    if T % chunk:
-        raise ValueError(f"`chunk` ({chunk}) must divide the token axis of W (T = {T})")
-    N = T // chunk
-    if K % 64 or K > 256:
-        raise ValueError(f"`W`: the key dim K must be a multiple of 64 and at most 256, got {K}")
-    if V % 64:
-        raise ValueError(f"`U`: the value dim V must be a multiple of 64, got {V}")
+    N = _check_chunk(chunk, T)
+    _check_widths(K, V, "U", block_v)
     if dend.shape != (B, N, H, K, 1):
         raise ValueError(f"`dend` must be [B, N, H, K, 1] = {(B, N, H, K, 1)}, got {dend.shape}")
     if h0.shape != (B, H, K, V):
         raise ValueError(f"`h0` must be [B, H, K, V] = {(B, H, K, V)}, got {h0.shape}")
-    if block_v not in (64, 128) or V % block_v:
-        raise ValueError(f"`block_v` must be 64 or 128 and divide V = {V}, got {block_v!r}")
     dt = jnp.dtype(W.dtype)
     if jnp.dtype(U.dtype) != dt or jnp.dtype(kout.dtype) != dt:
         raise ValueError(f"`W`, `U` and `kout` must share one dtype, got {W.dtype}, {U.dtype}, {kout.dtype}")
+    return _fit(_smem_bytes, B, H, N, chunk, K, V, block_v, dt, state_dtype, stages, interpret)
+
+
+def _check_chunk(chunk, T) -> int:
+    """Validate ``chunk`` against the token axis ``T``; returns the number of chunks."""
+    if not isinstance(chunk, int) or chunk < 16 or not (chunk in (16, 32) or chunk % 64 == 0) or chunk > 256:
+        raise ValueError(f"`chunk` must be 16, 32 or a multiple of 64 up to 256, got {chunk!r}")
+    if T % chunk:
+        raise ValueError(f"`chunk` ({chunk}) must divide the token axis of W (T = {T})")
+    return T // chunk
+
+
+def _check_widths(K, V, v_name, block_v):
+    """Key and value widths the wgmma tiles take, and the value block (``v_name``: V's argument)."""
+    if K % 64 or K > 256:
+        raise ValueError(f"`W`: the key dim K must be a multiple of 64 and at most 256, got {K}")
+    if V % 64:
+        raise ValueError(f"`{v_name}`: the value dim V must be a multiple of 64, got {V}")
+    if block_v not in (64, 128) or V % block_v:
+        raise ValueError(f"`block_v` must be 64 or 128 and divide V = {V}, got {block_v!r}")
+
+
+def _fit(smem_bytes, B, H, N, chunk, K, V, block_v, dt, state_dtype, stages, interpret) -> "_Plan":
+    """The :class:`_Plan` of one pass: operand parts for the inputs' dtype, and the most input-ring
+    ``stages`` (up to 3) and output buffers (2, else 1) whose ``smem_bytes`` fit ``SMEM_BUDGET``."""
     if dt in (jnp.dtype(BF16), jnp.dtype(jnp.float16)):
         parts, mm_dtype = 1, dt
     elif dt == jnp.dtype(F32):
@@ -192,7 +208,7 @@ def _plan(W, U, kout, dend, h0, chunk, state_dtype, block_v, stages, interpret):
     if stages is not None and (not isinstance(stages, int) or stages < 1):
         raise ValueError(f"`stages` must be a positive int or None, got {stages!r}")
     want = [stages] if stages is not None else [min(3, N), 2, 1]
-    size = functools.partial(_smem_bytes, chunk, K, block_v, parts, mm_dtype, dt, state_dtype)
+    size = functools.partial(smem_bytes, chunk, K, block_v, parts, mm_dtype, dt, state_dtype)
     for st in dict.fromkeys(max(1, min(s, N)) for s in want):
         for ob in (2, 1):
             if size(st, ob) <= SMEM_BUDGET:
@@ -377,45 +393,19 @@ def _plan_bwd(M, do, kout, qin, W, dend, dsT, chunk, state_dtype, block_v, stage
     if do.ndim != 4 or do.shape[:3] != (B, T, H):
         raise ValueError(f"`do` must be [B, T, H, V] with (B, T, H) = {(B, T, H)}, got shape {do.shape}")
     V = do.shape[3]
-    if not isinstance(chunk, int) or chunk < 16 or not (chunk in (16, 32) or chunk % 64 == 0) or chunk > 256:
-        raise ValueError(f"`chunk` must be 16, 32 or a multiple of 64 up to 256, got {chunk!r}")
-    if T % chunk:
-        raise ValueError(f"`chunk` ({chunk}) must divide the token axis of W (T = {T})")
-    N = T // chunk
+    N = _check_chunk(chunk, T)
     if M.shape != (B, T, H, chunk):
         raise ValueError(f"`M` must be [B, T, H, chunk] = {(B, T, H, chunk)}, got {M.shape}")
-    if K % 64 or K > 256:
-        raise ValueError(f"`W`: the key dim K must be a multiple of 64 and at most 256, got {K}")
-    if V % 64:
-        raise ValueError(f"`do`: the value dim V must be a multiple of 64, got {V}")
+    _check_widths(K, V, "do", block_v)
     if dend.shape != (B, N, H, K, 1):
         raise ValueError(f"`dend` must be [B, N, H, K, 1] = {(B, N, H, K, 1)}, got {dend.shape}")
     if dsT.shape != (B, H, K, V):
         raise ValueError(f"`dsT` must be [B, H, K, V] = {(B, H, K, V)}, got {dsT.shape}")
-    if block_v not in (64, 128) or V % block_v:
-        raise ValueError(f"`block_v` must be 64 or 128 and divide V = {V}, got {block_v!r}")
     dt = jnp.dtype(W.dtype)
     if any(jnp.dtype(a.dtype) != dt for a in (M, do, kout, qin)):
         raise ValueError(f"`M`, `do`, `kout`, `qin` and `W` must share one dtype, got "
                          f"{[str(a.dtype) for a in (M, do, kout, qin, W)]}")
-    if dt in (jnp.dtype(BF16), jnp.dtype(jnp.float16)):
-        parts, mm_dtype = 1, dt
-    elif dt == jnp.dtype(F32):
-        parts, mm_dtype = 2, jnp.dtype(BF16)
-    else:
-        raise ValueError(f"`W`: dtype must be bfloat16, float16 or float32, got {dt}")
-    state_dtype = dt if state_dtype is None else jnp.dtype(state_dtype)
-    if stages is not None and (not isinstance(stages, int) or stages < 1):
-        raise ValueError(f"`stages` must be a positive int or None, got {stages!r}")
-    want = [stages] if stages is not None else [min(3, N), 2, 1]
-    size = functools.partial(_bwd_smem_bytes, chunk, K, block_v, parts, mm_dtype, dt, state_dtype)
-    for st in dict.fromkeys(max(1, min(s, N)) for s in want):
-        for ob in (2, 1):
-            if size(st, ob) <= SMEM_BUDGET:
-                return _Plan(B, H, N, chunk, K, V, block_v, parts, mm_dtype, dt, state_dtype, st, ob,
-                             interpret)
-    raise ValueError(f"the tiles of `chunk`={chunk}, K={K}, `block_v`={block_v} ({dt}) need "
-                     f"{size(1, 1)} bytes of SMEM, more than {SMEM_BUDGET}: use a smaller chunk, or 16-bit inputs")
+    return _fit(_bwd_smem_bytes, B, H, N, chunk, K, V, block_v, dt, state_dtype, stages, interpret)
 
 
 def _bwd_kernel(p: _Plan, *refs):
