@@ -496,6 +496,10 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         anchored_bwd = "scores"
     if anchored_bwd not in ANCHORED_BWD:
         raise ValueError(f"`anchored_bwd` must be one of {ANCHORED_BWD}, got {anchored_bwd!r}")
+    for name, w in (("num_warps", num_warps), ("num_warps_state", num_warps_state),
+                    ("num_warps_scores", num_warps_scores)):
+        if w is not None and w not in (1, 2, 4, 8, 16):
+            raise ValueError(f"`{name}` must be 1, 2, 4, 8 or 16 (warps per program), got {w!r}")
     if bv is None:
         bv = V if target == "tpu" else default_bv(B * H, V)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,

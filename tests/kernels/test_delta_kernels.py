@@ -278,6 +278,8 @@ def test_scores_kernel_warps_follow_the_gate(rule, warps):
     assert len(scores) == 1 and got[scores[0]] == warps
     assert all(w == 4 for n, w in got.items() if n not in scores)
     assert launches(num_warps_scores=2)[scores[0]] == 2
+    with pytest.raises(ValueError, match="num_warps_scores"):
+        launches(num_warps_scores=3)
 
 
 @pytest.mark.parametrize("policy", ["names", "nothing"])
