@@ -315,9 +315,6 @@ def part_mosaic(results, shapes, reps):
                    "triton bwd": jax.jit(lambda: api._state_bwd(s, M, do, ko, qi, W, d, h0))}
             res = {name: jax.block_until_ready(f()) for name, f in fns.items()}
 
-            def rel(a, b):
-                a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-                return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
             r_ = {f"{m}_ms": time_jax(f, reps=reps) for m, f in fns.items()}
             for x in ("fwd", "bwd"):
                 r_[f"{x}_rel_diff"] = [rel(a, b) for a, b in zip(res[f"mosaic {x}"], res[f"triton {x}"])]
