@@ -63,19 +63,26 @@ def _a_log_init(key, shape, dtype):
     return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
 
 
-def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array]) -> tuple[Array, Array]:
+def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array], *,
+                kernel: bool = False) -> tuple[Array, Array]:
     """Depthwise causal conv ``y_t = Σ_i w[i] · x_{t−i}`` that never crosses a document boundary.
 
     Args:
       x: ``[B, T, C]``; w: ``[W, C]`` (``w[0]`` weighs the current token);
       prefix: ``[B, W−1, C]`` inputs before ``x`` (zeros at a sequence start);
-      doc: ``[B, T]`` document index of each token (prefix tokens are document 0).
+      doc: ``[B, T]`` document index of each token (prefix tokens are document 0);
+      kernel: without a prefix, run the Pallas kernel (:mod:`lineage_jax.layers.conv_pallas`;
+        the same values, float32 accumulation in both) instead of XLA's shifted slices.
     Returns:
       ``(y [B, T, C], new_prefix [B, W−1, C])``; the new prefix keeps the incoming
       prefix's dtype (a cache's dtype does not change from step to step).
     """
     B, T, C = x.shape
     W = w.shape[0]
+    if kernel and prefix is None:
+        from lineage_jax.layers import conv_pallas
+        xp = jnp.concatenate([jnp.zeros((B, W - 1, C), x.dtype), x[:, max(T - (W - 1), 0):]], axis=1)
+        return conv_pallas.causal_conv(x, w, doc), xp[:, xp.shape[1] - (W - 1):]
     if prefix is None:
         prefix = jnp.zeros((B, W - 1, C), x.dtype)
     xp = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
@@ -260,7 +267,8 @@ class MemoryMixer(nnx.Module):
         new_prefix = None
         if self.conv is not None:
             qkv = jnp.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
-            qkv, new_prefix = causal_conv(qkv, self.conv[...], conv_prefix, doc)
+            qkv, new_prefix = causal_conv(qkv, self.conv[...], conv_prefix, doc,
+                                          kernel=self.options.use_pallas_conv())
             qkv = jax.nn.silu(qkv)
             q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
             q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, Hv, Vd)

@@ -91,6 +91,16 @@ class MemoryOptions:
         return use
 
 
+    def use_pallas_conv(self) -> bool:
+        """Whether a fixed-state mixer's short causal convolution (training and a fresh prefill)
+        runs the Pallas kernel of :mod:`lineage_jax.layers.conv_pallas`: ``"auto"`` on GPUs,
+        ``"pallas"`` on GPUs and (interpreted) on the CPU. It is a Triton kernel: TPUs run XLA's."""
+        if self.backend == "xla":
+            return False
+        platform = jax.default_backend()
+        return platform == "gpu" or (self.backend == "pallas" and platform == "cpu")
+
+
 def _check_kernel_chunk(fn: str, chunk_size: int) -> None:
     from lineage_jax._kernels import check_chunk_size  # memory/ -> kernels/
     try:

@@ -163,6 +163,10 @@ class ModelConfig:
     # True / False (older configs) mean "full" / "none".
     remat: str = "none"
     scan_layers: bool = True
+    # Run each scanned group's loop unrolled (lax.scan's ``unroll=True``): the parameters stay
+    # stacked, the compiled step has no loop (more to compile, no per-iteration slicing of the
+    # stacked residuals).
+    scan_unroll: bool = False
     scan_period: Optional[int] = None  # macrocycle length for lax.scan (default: smallest period of the pattern)
     dtype: str = "float32"  # activation dtype ("float32" | "bfloat16"); parameters stay float32
 

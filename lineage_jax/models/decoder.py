@@ -359,7 +359,8 @@ class Decoder(nnx.Module):
 
                 idx = first + p * jnp.arange(n)
                 if group_cache is None:
-                    carry, (cache, stats) = jax.lax.scan(scan_body, carry, (state, group_cache, idx))
+                    carry, (cache, stats) = jax.lax.scan(scan_body, carry, (state, group_cache, idx),
+                                                         unroll=bool(self.cfg.scan_unroll))
                 else:
                     carry, cache, stats = _scan_with_cache(body, carry, state, group_cache, idx)
             new_caches.append(cache)

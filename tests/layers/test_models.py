@@ -201,6 +201,26 @@ def test_remat_gives_same_loss_and_grads(policy):
         assert rel(a, b) <= 1e-5
 
 
+def test_scan_unroll_is_the_same_model_without_the_layer_loop():
+    """``scan_unroll=True``: the scanned group's parameters stay stacked (the same state), the
+    layers run without a loop, and the loss and every gradient equal the looped scan's."""
+    cfg = get_config("tiny_kda").replace(pattern="KK", remat="dots")
+    tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, cfg.vocab_size)
+    loss = lambda m: jnp.mean(m(tokens) ** 2)  # noqa: E731
+    looped, unrolled = (Decoder(cfg.replace(scan_unroll=u), rngs=nnx.Rngs(0)) for u in (False, True))
+    assert jax.tree.structure(nnx.state(looped)) == jax.tree.structure(nnx.state(unrolled))
+
+    def loops(m):  # while loops in the compiled step (the chunked delta rule has its own)
+        graphdef, state = nnx.split(m)
+        return jax.jit(lambda st: loss(nnx.merge(graphdef, st))).lower(state).as_text().count("stablehlo.while")
+
+    assert loops(unrolled) < loops(looped)
+    (l1, g1), (l2, g2) = (nnx.jit(nnx.value_and_grad(loss))(m) for m in (looped, unrolled))
+    assert rel(l1, l2) <= 1e-6
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2)):
+        assert rel(a, b) <= 1e-5, jax.tree_util.keystr(path)
+
+
 def test_remat_policy_names():
     assert get_config("tiny_kda", remat=True).remat == "full"
     assert get_config("tiny_kda", remat=False).remat == "none"

@@ -1,0 +1,107 @@
+"""The Pallas short causal convolution against the XLA one it replaces: forward, ``dx`` and ``dw``
+on fresh random inputs (odd lengths, partial channel blocks, packed documents, float32 and bf16),
+interpreted on the CPU and compiled on a GPU; and the mixers' choice of it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lineage_jax.layers import conv_pallas as CP
+from lineage_jax.layers.memory_mixer import MemoryMixer, causal_conv
+from lineage_jax.memory import MemoryOptions
+from tests._jaxpr import pallas_launches
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+def _case(seed, B, T, C, W, dtype, docs):
+    k = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(k[0], (B, T, C), jnp.float32).astype(dtype)
+    w = jax.random.normal(k[1], (W, C), jnp.float32) * 0.5
+    doc = jnp.cumsum(jax.random.bernoulli(k[2], 0.15, (B, T)), axis=1).astype(jnp.int32) if docs else None
+    dy = jax.random.normal(k[3], (B, T, C), jnp.float32).astype(dtype)
+    return x, w, doc, dy
+
+
+def _vjp(fn, x, w, doc, dy):
+    y, pull = jax.vjp(lambda x, w: fn(x, w, doc), x, w)
+    return (y, *pull(dy))
+
+
+def _xla(x, w, doc):
+    return causal_conv(x.astype(jnp.float32), w, None, doc)[0]
+
+
+@pytest.mark.parametrize("B,T,C,W,docs", [(2, 37, 48, 4, False), (2, 130, 200, 4, True), (1, 3, 16, 4, True),
+                                         (1, 64, 256, 2, True)])
+def test_kernel_matches_the_xla_convolution_forward_and_gradients(B, T, C, W, docs):
+    """float32: the kernel's y, dx and dw equal XLA's (shifted slices, differentiated by JAX)."""
+    x, w, doc, dy = _case(T * C + W, B, T, C, W, jnp.float32, docs)
+    got = _vjp(CP.causal_conv, x, w, doc, dy)
+    want = _vjp(_xla, x, w, doc, dy)
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert _rel(a, b) <= 1e-5, (name, _rel(a, b))
+
+
+def test_bf16_inputs_accumulate_in_float32():
+    """bf16 in and out, float32 inside: within bf16 rounding of the float32 convolution."""
+    x, w, doc, dy = _case(7, 2, 70, 128, 4, jnp.bfloat16, True)
+    got = _vjp(CP.causal_conv, x, w, doc, dy)
+    want = _vjp(_xla, x.astype(jnp.float32), w, doc, dy.astype(jnp.float32))
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16 and got[2].dtype == jnp.float32
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert _rel(a, b) <= 1e-2, (name, _rel(a, b))
+
+
+def test_documents_stay_separate():
+    """A token's output does not change when an earlier document's inputs do."""
+    x, w, _, _ = _case(3, 1, 20, 16, 4, jnp.float32, False)
+    doc = jnp.asarray([[0] * 9 + [1] * 11], jnp.int32)
+    x2 = x.at[:, :9].set(100.0)
+    y1, y2 = CP.causal_conv(x, w, doc), CP.causal_conv(x2, w, doc)
+    np.testing.assert_array_equal(np.asarray(y1[:, 9:]), np.asarray(y2[:, 9:]))
+    assert not np.allclose(np.asarray(y1[:, :9]), np.asarray(y2[:, :9]))
+
+
+def test_bad_shapes_name_the_argument():
+    x = jnp.zeros((1, 8, 16))
+    with pytest.raises(ValueError, match="`x`.*`w`"):
+        CP.causal_conv(x, jnp.zeros((4, 8)))
+    with pytest.raises(ValueError, match="`doc`"):
+        CP.causal_conv(x, jnp.zeros((4, 16)), jnp.zeros((1, 9), jnp.int32))
+
+
+def _launches(fn, *args):
+    return [name for name, _ in pallas_launches(jax.make_jaxpr(fn)(*args).jaxpr)]
+
+
+def test_mixers_use_the_kernel_where_their_backend_runs_pallas():
+    """MemoryMixer's convolution: the kernel under backend "pallas" (interpreted here), XLA's
+    under "xla" — the same layer output and gradients; the choice is MemoryOptions.use_pallas_conv."""
+    assert MemoryOptions(backend="pallas").use_pallas_conv() == CP.available()
+    assert not MemoryOptions(backend="xla").use_pallas_conv()
+    assert MemoryOptions(backend="auto").use_pallas_conv() == (jax.default_backend() == "gpu")
+    layers = {b: MemoryMixer(32, rule="gdn", num_heads=2, head_dim=16, backend=b, chunk_size=16, rngs=nnx.Rngs(0))
+              for b in ("xla", "pallas")}
+    x = jax.random.normal(jax.random.key(1), (2, 21, 32))
+    seg = jnp.asarray(np.repeat([[1] * 8 + [2] * 13], 2, axis=0))
+
+    def run(layer):
+        graphdef, state = nnx.split(layer)
+        f = lambda st, x: jnp.sum(jnp.sin(nnx.merge(graphdef, st)(x, segment_ids=seg)))  # noqa: E731
+        return f, state
+
+    assert any("causal_conv_fwd" in n for n in _launches(*run(layers["pallas"]), x))
+    assert not any("conv" in n for n in _launches(*run(layers["xla"]), x))
+    with jax.default_matmul_precision("highest"):
+        (v1, g1), (v2, g2) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(st, x)
+                              for f, st in (run(layers["xla"]), run(layers["pallas"])))
+    assert _rel(v2, v1) <= 1e-5
+    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
+        assert _rel(a, b) <= 1e-4
