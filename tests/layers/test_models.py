@@ -204,7 +204,7 @@ def test_remat_gives_same_loss_and_grads(policy):
 def test_scan_unroll_is_the_same_model_without_the_layer_loop():
     """``scan_unroll=True``: the scanned group's parameters stay stacked (the same state), the
     layers run without a loop, and the loss and every gradient equal the looped scan's."""
-    cfg = get_config("tiny_kda").replace(pattern="KK", remat="dots")
+    cfg = get_config("tiny_gpt2").replace(remat="dots")
     tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, cfg.vocab_size)
     loss = lambda m: jnp.mean(m(tokens) ** 2)  # noqa: E731
     looped, unrolled = (Decoder(cfg.replace(scan_unroll=u), rngs=nnx.Rngs(0)) for u in (False, True))
