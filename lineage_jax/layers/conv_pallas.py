@@ -6,11 +6,12 @@ contributing only where ``t − i ≥ 0`` and (with ``doc``) ``doc[b, t − i] =
 packed document never reads its neighbour. The output has ``x``'s dtype.
 
 Why a kernel: XLA builds the forward from ``W`` shifted slices of a padded copy and
-differentiates it into pads, bf16 adds and two-pass reductions. At the fixed-state mixers' shape
-(one H200, batch 1 × 32768 tokens, 6144 channels, bf16) that took ≈ 3 ms of each KDA layer's
-training step, for ≈ 0.8 GB of necessary memory traffic. Here every program reads its
-``[block_t, block_c]`` tile once per tap (the shifted rows of a tap are the neighbours' rows:
-cache hits) and writes it once.
+differentiates it into pads, bf16 adds, a recomputation and two-pass reductions. In the 12-layer
+KDA + MLA hybrid at batch 1 × 32768 (6144 channels, bf16; one H200) those were the six largest
+XLA fusions of a training step, ≈ 3.5 ms per KDA layer. Here each program reads its
+``[block_t, block_c]`` tile once per tap (a tap's shifted rows are mostly the same rows: cache
+hits) and writes it once: at that shape the forward takes 0.54 ms (XLA's 0.62) and forward +
+backward 0.80 ms (XLA's 1.34; without document masks) — still about three times the time its memory traffic needs.
 
 Kernels (written for the Pallas **Triton** lowering; the Pallas interpreter runs them on the CPU):
 
@@ -47,7 +48,10 @@ Array = jax.Array
 F32 = jnp.float32
 
 # Tile of one program: rows x channels (powers of two: Triton's block shapes), 4 warps. At the
-# mixers' channel counts (multiples of 128) every channel block is full.
+# mixers' channel counts (multiples of 128) every channel block is full. On one H200 at
+# (1, 32768, 6144) bf16, rows 32-128 x channels 64-256 x 4 or 8 warps all ran the forward in
+# 0.45-0.6 ms (one setting, 128 x 256 at 4 warps, spilled: 8.8 ms); this one is among the fastest
+# forward + backward.
 BLOCK_T = 64
 BLOCK_C = 128
 NUM_WARPS = 4

@@ -6,10 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from lineage_jax.layers import conv_pallas as CP
-from lineage_jax.layers.memory_mixer import MemoryMixer, causal_conv
+from lineage_jax.layers.memory_mixer import causal_conv
 from lineage_jax.memory import MemoryOptions
 from tests._jaxpr import pallas_launches
 
@@ -77,31 +76,21 @@ def test_bad_shapes_name_the_argument():
         CP.causal_conv(x, jnp.zeros((4, 16)), jnp.zeros((1, 9), jnp.int32))
 
 
-def _launches(fn, *args):
-    return [name for name, _ in pallas_launches(jax.make_jaxpr(fn)(*args).jaxpr)]
-
-
-def test_mixers_use_the_kernel_where_their_backend_runs_pallas():
-    """MemoryMixer's convolution: the kernel under backend "pallas" (interpreted here), XLA's
-    under "xla" — the same layer output and gradients; the choice is MemoryOptions.use_pallas_conv."""
+def test_the_kernel_runs_where_the_delta_rules_run_pallas():
+    """MemoryOptions.use_pallas_conv decides: backend "pallas" (interpreted here, compiled on a GPU),
+    "auto" on GPUs only, never "xla"; the mixer's causal_conv(kernel=True) is the kernel. (A whole
+    model under backend "pallas" against "xla", loss and gradients, is tests/layers/test_models.py::
+    test_pallas_memory_backend_gives_same_loss_and_grads.)"""
     assert MemoryOptions(backend="pallas").use_pallas_conv() == CP.available()
     assert not MemoryOptions(backend="xla").use_pallas_conv()
     assert MemoryOptions(backend="auto").use_pallas_conv() == (jax.default_backend() == "gpu")
-    layers = {b: MemoryMixer(32, rule="gdn", num_heads=2, head_dim=16, backend=b, chunk_size=16, rngs=nnx.Rngs(0))
-              for b in ("xla", "pallas")}
-    x = jax.random.normal(jax.random.key(1), (2, 21, 32))
-    seg = jnp.asarray(np.repeat([[1] * 8 + [2] * 13], 2, axis=0))
-
-    def run(layer):
-        graphdef, state = nnx.split(layer)
-        f = lambda st, x: jnp.sum(jnp.sin(nnx.merge(graphdef, st)(x, segment_ids=seg)))  # noqa: E731
-        return f, state
-
-    assert any("causal_conv_fwd" in n for n in _launches(*run(layers["pallas"]), x))
-    assert not any("conv" in n for n in _launches(*run(layers["xla"]), x))
-    with jax.default_matmul_precision("highest"):
-        (v1, g1), (v2, g2) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(st, x)
-                              for f, st in (run(layers["xla"]), run(layers["pallas"])))
-    assert _rel(v2, v1) <= 1e-5
-    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
-        assert _rel(a, b) <= 1e-4
+    x, w, doc, _ = _case(5, 1, 9, 16, 4, jnp.float32, True)
+    names = lambda kernel: [n for n, _ in pallas_launches(jax.make_jaxpr(  # noqa: E731
+        lambda x: causal_conv(x, w, None, doc, kernel=kernel))(x).jaxpr)]
+    assert names(True) == ["causal_conv_fwd"] and names(False) == []
+    (y, prefix), (y0, prefix0) = causal_conv(x, w, None, doc, kernel=True), causal_conv(x, w, None, doc)
+    assert _rel(y, y0) <= 1e-6
+    np.testing.assert_array_equal(np.asarray(prefix), np.asarray(prefix0))  # the decode cache's conv prefix
+    short = x[:, :2]  # fewer tokens than the prefix holds: zeros before them
+    np.testing.assert_array_equal(np.asarray(causal_conv(short, w, None, None, kernel=True)[1]),
+                                  np.asarray(causal_conv(short, w, None, None)[1]))

@@ -10,6 +10,7 @@ from flax import nnx
 
 from lineage_jax.layers import attnres as AR
 from lineage_jax.models import Decoder, config_names, get_config, inference_steps, layer_groups
+from tests._jaxpr import pallas_launches
 from tests._numerics import tolerance
 
 TINY = [n for n in config_names() if n.startswith("tiny_")]
@@ -256,8 +257,9 @@ def test_fused_attention_impls_give_the_same_model():
 
 
 def test_pallas_memory_backend_gives_same_loss_and_grads():
-    """``memory_backend="pallas"``: the delta rules run through the kernels.delta kernels (interpret
-    mode on the CPU) — the same loss and gradients as the XLA chunked form."""
+    """``memory_backend="pallas"``: the delta rules run through the kernels.delta kernels and the
+    short convolutions through layers.conv_pallas (interpret mode on the CPU) — the same loss and
+    gradients as the XLA forms."""
     cfg = get_config("tiny_kda").replace(pattern="DGK", chunk_size=16, memory_backend="xla")
     tokens = jax.random.randint(jax.random.key(4), (2, 40), 0, cfg.vocab_size)
 
@@ -268,12 +270,14 @@ def test_pallas_memory_backend_gives_same_loss_and_grads():
         l1, g1 = nnx.jit(nnx.value_and_grad(loss))(Decoder(cfg, rngs=nnx.Rngs(0)))
         l2, g2 = nnx.jit(nnx.value_and_grad(loss))(Decoder(cfg.replace(memory_backend="pallas"), rngs=nnx.Rngs(0)))
     assert rel(l1, l2) <= 1e-5
-    def program(c):  # the traced loss of a fresh model of config c
+    def launches(c):  # the kernels in the traced loss of a fresh model of config c
         graphdef, state = nnx.split(Decoder(c, rngs=nnx.Rngs(0)))
-        return str(jax.make_jaxpr(lambda st: loss(nnx.merge(graphdef, st)))(state))
+        return [n for n, _ in pallas_launches(jax.make_jaxpr(lambda st: loss(nnx.merge(graphdef, st)))(state).jaxpr)]
 
-    assert program(cfg.replace(memory_backend="pallas")).count("pallas_call") >= 3  # D, G and K layers
-    assert "pallas_call" not in program(cfg)
+    kernels = launches(cfg.replace(memory_backend="pallas"))
+    assert kernels.count("intra_fwd") == 3  # D, G and K layers
+    assert kernels.count("causal_conv_fwd") == 3  # their short convolutions (layers/conv_pallas.py)
+    assert launches(cfg) == []
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2)):
         assert rel(a, b) <= 1e-4, jax.tree_util.keystr(path)
 
