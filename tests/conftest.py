@@ -91,7 +91,22 @@ def _backend_default_precision(request):
         jax.config.update("jax_default_matmul_precision", SUITE_PRECISION)
 
 
+# The modules holding the suite's longest tests (20-70 s each on 2 CPU cores: fake-device
+# subprocesses, CLI runs, the tiny_k3 model), in the order they start. pytest-xdist hands tests
+# to its workers in collection order; started last, a one-minute test keeps one worker busy while
+# the other has nothing left to run.
+LONG_FIRST = ("tests/parallel/test_multi_device.py", "tests/experiments/test_scorecard.py",
+              "tests/layers/test_models.py", "tests/experiments/test_decode_attnres_lm.py",
+              "tests/experiments/test_mqar_niah.py", "tests/train/test_loop.py")
+
+
+def _start_rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_start_rank)  # stable: each module keeps its own order
     if jax.default_backend() == "gpu":
         return
     for item in items:
