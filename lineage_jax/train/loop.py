@@ -63,6 +63,9 @@ class _Preemption:
 # TrainConfig fields that may change between the calls of one run: the workdir's own path (a run
 # directory moved or copied elsewhere resumes there), the total steps and the logging cadence.
 RESUMABLE_CHANGES = {"workdir", "steps", "progress", "eval_every", "log_every", "save_every", "deterministic"}
+# ModelConfig fields likewise: how a scanned group runs (looped or unrolled) leaves the parameters
+# and the checkpoints as they are.
+RESUMABLE_MODEL_CHANGES = {"scan_unroll"}
 
 
 def check_workdir(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
@@ -88,7 +91,8 @@ def check_workdir(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
         old_model["remat"] = "full" if old_model["remat"] else "none"
     train_rec = dataclasses.asdict(train_cfg)
     diff = sorted(k for k in train_rec if k not in RESUMABLE_CHANGES and old_train.get(k) != train_rec[k])
-    diff += sorted(f"model.{k}" for k in new_model if k in old_model and old_model[k] != new_model[k])
+    diff += sorted(f"model.{k}" for k in new_model
+                   if k in old_model and k not in RESUMABLE_MODEL_CHANGES and old_model[k] != new_model[k])
     if diff:
         raise ValueError(f"--workdir {workdir!r} holds a run with different settings ({', '.join(diff)}); "
                          "use a new --workdir, or the same settings to resume")

@@ -11,6 +11,7 @@ import pytest
 from lineage_jax.models import get_config
 from lineage_jax.train import TrainConfig, apply_overrides, train
 from lineage_jax.train.checkpoint import Checkpointer
+from lineage_jax.train.loop import check_workdir
 from lineage_jax.train.step import init_state
 from tests.train.fake_data import factory
 
@@ -98,6 +99,12 @@ def test_resume_refuses_different_settings(tmp_path):
     run(tmp_path / "w", 1, config="tiny_gpt2")
     with pytest.raises(ValueError, match="different settings"):
         run(tmp_path / "w", 2, config="tiny_gpt2", lr=0.5)
+    # how a scanned group runs is not a setting of the run: the same parameters, the same checkpoints
+    tc = TrainConfig(config="tiny_gpt2", steps=1, workdir=str(tmp_path / "w"), batch_size=2, seq_len=16, log_every=1,
+                     save_every=100, progress=False, eval_batches=1)
+    check_workdir(tc, get_config("tiny_gpt2").replace(scan_unroll=True))
+    with pytest.raises(ValueError, match=r"different settings \(model.d_model\)"):
+        check_workdir(tc, get_config("tiny_gpt2").replace(scan_unroll=True, d_model=48))
 
 
 def test_overrides_parse_types_and_reject_unknown_keys():
