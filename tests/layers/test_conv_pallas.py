@@ -36,8 +36,7 @@ def _xla(x, w, doc):
     return causal_conv(x.astype(jnp.float32), w, None, doc)[0]
 
 
-@pytest.mark.parametrize("B,T,C,W,docs", [(2, 37, 48, 4, False), (2, 130, 200, 4, True), (1, 3, 16, 4, True),
-                                         (1, 64, 256, 2, True)])
+@pytest.mark.parametrize("B,T,C,W,docs", [(2, 37, 48, 4, False), (2, 130, 200, 4, True), (1, 3, 16, 4, True)])
 def test_kernel_matches_the_xla_convolution_forward_and_gradients(B, T, C, W, docs):
     """float32: the kernel's y, dx and dw equal XLA's (shifted slices, differentiated by JAX)."""
     x, w, doc, dy = _case(T * C + W, B, T, C, W, jnp.float32, docs)
@@ -49,8 +48,8 @@ def test_kernel_matches_the_xla_convolution_forward_and_gradients(B, T, C, W, do
 
 
 def test_bf16_inputs_accumulate_in_float32():
-    """bf16 in and out, float32 inside: within bf16 rounding of the float32 convolution."""
-    x, w, doc, dy = _case(7, 2, 70, 128, 4, jnp.bfloat16, True)
+    """bf16 in and out, float32 inside: within bf16 rounding of the float32 convolution (two taps)."""
+    x, w, doc, dy = _case(7, 2, 70, 128, 2, jnp.bfloat16, True)
     got = _vjp(CP.causal_conv, x, w, doc, dy)
     want = _vjp(_xla, x.astype(jnp.float32), w, doc, dy.astype(jnp.float32))
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16 and got[2].dtype == jnp.float32
