@@ -253,6 +253,24 @@ def _matmul(p: _Plan, shape, *operands):
     return pl.run_scoped(run, plgpu.ACC(shape, F32))
 
 
+def _stage(store, dtype, mm, value, mm_value, p: _Plan):
+    """``value`` (f32) into the output staging buffer ``store`` as ``dtype``, and ``mm_value``'s
+    :func:`_split` parts into the wgmma operand buffers ``mm`` (committed by the caller)."""
+    store[...] = value.astype(dtype)
+    for i, part in enumerate(_split(mm_value, p)):
+        mm.at[i][...] = part
+
+
+def _store_final(f_st, S, dst):
+    """After the chunk loop: once the staged stores have read their buffers, the final state ``S``
+    through ``f_st`` to ``dst``, and every store waited for (the kernel's last act)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    f_st[...] = S
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(f_st, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
 # ---------------------------------------------------------------------------
 # forward kernel
 # ---------------------------------------------------------------------------
@@ -291,9 +309,7 @@ def _kernel(p: _Plan, *refs):
         ob = lax.rem(n, p.out_bufs)
         # staging buffer `ob` was last stored from two groups (h, Ũ) per chunk ago
         plgpu.wait_smem_to_gmem(2 * (p.out_bufs - 1), wait_read_only=True)
-        h_st.at[ob][...] = S.astype(p.state_dtype)
-        for i, part in enumerate(_split(S, p)):
-            s_mm.at[i][...] = part
+        _stage(h_st.at[ob], p.state_dtype, s_mm, S, S, p)
         wait_loads(slot)
         U = _layout(u_s.at[slot][...], plgpu.Layout.WGMMA, p).astype(F32)
         d = _layout(d_s.at[slot][...], plgpu.Layout.WGMMA.reduce(1), p)
@@ -302,9 +318,7 @@ def _kernel(p: _Plan, *refs):
 
         # Ũ = U − W S   (rows C..Mp of the tile are padding)
         ut = U - _matmul(p, (Mp, bv), ([w_s.at[slot, i] for i in range(P)], [s_mm.at[i] for i in range(P)]))
-        ut_st.at[ob][...] = ut.astype(p.store_dtype)
-        for i, part in enumerate(_split(ut, p)):
-            ut_mm.at[i][...] = part
+        _stage(ut_st.at[ob], p.store_dtype, ut_mm, ut, ut, p)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(ut_st.at[ob, pl.ds(0, C)], ut_g.at[b, pl.ds(n * C, C), h, vcols])
 
@@ -319,11 +333,7 @@ def _kernel(p: _Plan, *refs):
         return S
 
     S = lax.fori_loop(0, N, body, S0)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    f_st[...] = S
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(f_st, fin_g.at[b, h, :, vcols])
-    plgpu.wait_smem_to_gmem(0)
+    _store_final(f_st, S, fin_g.at[b, h, :, vcols])
 
 
 def state_fwd(W, U, kout, dend, h0, *, chunk, state_dtype=None, interpret=False, block_v=64, stages=None):
@@ -440,9 +450,7 @@ def _bwd_kernel(p: _Plan, *refs):
         slot = lax.rem(i, p.stages)
         ob = lax.rem(i, p.out_bufs)
         plgpu.wait_smem_to_gmem(2 * (p.out_bufs - 1), wait_read_only=True)
-        h_st.at[ob][...] = dS.astype(p.state_dtype)
-        for k, part in enumerate(_split(dS, p)):
-            s_mm.at[k][...] = part
+        _stage(h_st.at[ob], p.state_dtype, s_mm, dS, dS, p)
         for op in range(nops):
             plgpu.barrier_wait(bars.at[slot * nops + op])
         d = _layout(d_s.at[slot][...], plgpu.Layout.WGMMA.reduce(1), p)
@@ -453,9 +461,7 @@ def _bwd_kernel(p: _Plan, *refs):
         # dŨ = Mᵀ dO + k_out dS   (rows C..Mp are padding)
         dut = _matmul(p, (Mp, bv), ([mT_s.at[slot, k] for k in parts], [do_s.at[slot, k] for k in parts]),
                       ([ko_s.at[slot, k] for k in parts], [s_mm.at[k] for k in parts]))
-        ut_st.at[ob][...] = dut.astype(p.store_dtype)
-        for k, part in enumerate(_split(-dut, p)):
-            ut_mm.at[k][...] = part
+        _stage(ut_st.at[ob], p.store_dtype, ut_mm, dut, -dut, p)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(ut_st.at[ob, pl.ds(0, C)], dut_g.at[b, pl.ds(n * C, C), h, vcols])
 
@@ -470,11 +476,7 @@ def _bwd_kernel(p: _Plan, *refs):
         return dS
 
     dS = lax.fori_loop(0, N, body, dS0)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    f_st[...] = dS
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(f_st, dh0_g.at[b, h, :, vcols])
-    plgpu.wait_smem_to_gmem(0)
+    _store_final(f_st, dS, dh0_g.at[b, h, :, vcols])
 
 
 def state_bwd(M, do, kout, qin, W, dend, dsT, *, chunk, state_dtype=None, interpret=False, block_v=64,
