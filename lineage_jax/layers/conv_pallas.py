@@ -27,7 +27,9 @@ loads). The interpreter clamps such windows instead, so in interpret mode the wr
 the row axis by ``W − 1`` on both sides and the kernels add that offset (``base``) to every
 row index — the same masks decide what is read.
 
-Reverse mode is a ``jax.custom_vjp``; ``doc`` gets no gradient.
+Reverse mode is a ``jax.custom_vjp``; ``doc`` gets no gradient. Compiled, the kernels address
+memory with 32-bit element offsets: ``x`` must hold fewer than ``2**31`` elements (:func:`fits`;
+:func:`~lineage_jax.layers.memory_mixer.causal_conv` runs XLA's form beyond it).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from lineage_jax.layers.grouped_pallas import _whole
 
 try:  # present in jax 0.10 and 0.11
     from jax.experimental.pallas import triton as pltriton
@@ -62,16 +66,17 @@ def available() -> bool:
     return pltriton is not None and jax.default_backend() in ("gpu", "cpu")
 
 
+def fits(x: Array) -> bool:
+    """Whether ``x [B, T, C]`` is within the compiled kernels' 32-bit element offsets."""
+    return x.size < 2**31
+
+
 def _interpret() -> bool:
     return jax.default_backend() == "cpu"
 
 
 def _block_c(C: int) -> int:
     return min(BLOCK_C, 1 << (C - 1).bit_length())
-
-
-def _whole(shape) -> pl.BlockSpec:
-    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
 
 
 def _params(interpret: bool):
@@ -205,6 +210,9 @@ def causal_conv(x: Array, w: Array, doc: Optional[Array] = None) -> Array:
     if x.ndim != 3 or w.ndim != 2 or w.shape[1] != x.shape[2]:
         raise ValueError(f"conv_pallas.causal_conv: `x` [B, T, C] and `w` [W, C] must share C, got "
                          f"{tuple(x.shape)} and {tuple(w.shape)}")
+    if not fits(x) and not _interpret():
+        raise ValueError(f"conv_pallas.causal_conv: `x` {tuple(x.shape)} holds 2**31 elements or more "
+                         f"(the kernels' offsets are 32-bit); split the batch, or use memory_mixer.causal_conv")
     if doc is not None and doc.shape != x.shape[:2]:
         raise ValueError(f"conv_pallas.causal_conv: `doc` must have shape {tuple(x.shape[:2])}, got {tuple(doc.shape)}")
     return _conv(x, w, None if doc is None else doc.astype(jnp.int32))

@@ -72,15 +72,16 @@ def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array
       prefix: ``[B, W−1, C]`` inputs before ``x`` (zeros at a sequence start);
       doc: ``[B, T]`` document index of each token (prefix tokens are document 0);
       kernel: without a prefix, run the Pallas kernel (:mod:`lineage_jax.layers.conv_pallas`;
-        the same values, float32 accumulation in both) instead of XLA's shifted slices.
+        the same values, float32 accumulation in both) instead of XLA's shifted slices — within
+        its 32-bit offsets (``conv_pallas.fits``).
     Returns:
       ``(y [B, T, C], new_prefix [B, W−1, C])``; the new prefix keeps the incoming
       prefix's dtype (a cache's dtype does not change from step to step).
     """
     B, T, C = x.shape
     W = w.shape[0]
-    if kernel and prefix is None:
-        from lineage_jax.layers import conv_pallas
+    from lineage_jax.layers import conv_pallas
+    if kernel and prefix is None and conv_pallas.fits(x):
         xp = jnp.concatenate([jnp.zeros((B, W - 1, C), x.dtype), x[:, max(T - (W - 1), 0):]], axis=1)
         return conv_pallas.causal_conv(x, w, doc), xp[:, xp.shape[1] - (W - 1):]
     if prefix is None:

@@ -398,6 +398,9 @@ def validate(c: ModelConfig) -> None:
         c.moe_part().check(MoE.check)
     if c.attnres_block < 0 or c.attnres_block > c.num_layers:
         _fail("attnres_block", f"must be 0 (plain residual) or a block size in [1, {c.num_layers}] layers, got {c.attnres_block}")
+    for name in ("scan_layers", "scan_unroll"):
+        if not isinstance(getattr(c, name), bool):
+            _fail(name, f"must be True or False, got {getattr(c, name)!r}")
     if c.scan_period is not None and not 0 < c.scan_period <= c.num_layers:
         _fail("scan_period", f"must be in [1, {c.num_layers}], got {c.scan_period}")
     if c.dtype not in ("float32", "bfloat16"):

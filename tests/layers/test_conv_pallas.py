@@ -67,6 +67,14 @@ def test_documents_stay_separate():
     assert not np.allclose(np.asarray(y1[:, :9]), np.asarray(y2[:, :9]))
 
 
+def test_the_mixer_runs_xla_beyond_the_kernels_offsets(monkeypatch):
+    """Past the compiled kernels' 32-bit offsets (``fits``), causal_conv(kernel=True) runs XLA's form."""
+    x, w, doc, _ = _case(9, 1, 12, 16, 4, jnp.float32, True)
+    monkeypatch.setattr(CP, "fits", lambda x: False)
+    names = [n for n, _ in pallas_launches(jax.make_jaxpr(lambda x: causal_conv(x, w, None, doc, kernel=True))(x).jaxpr)]
+    assert names == []
+
+
 def test_bad_shapes_name_the_argument():
     x = jnp.zeros((1, 8, 16))
     with pytest.raises(ValueError, match="`x`.*`w`"):
