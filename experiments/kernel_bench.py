@@ -274,13 +274,19 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
                 h, ut, sT = f2(W, U, kout, dend, h0)
                 f3 = jax.jit(lambda *a: api._output(s, *a, q.dtype))
                 t3 = time_jax(f3, qin, h, M, ut)
+                # the forward state pass taking the output (Spec.fuse_output): with h (training) and without
+                f23 = jax.jit(lambda *a: api._state_fwd(s, *a, out_dtype=q.dtype))
+                t23 = time_jax(f23, W, U, kout, dend, h0, qin, M)
+                f23n = jax.jit(lambda *a: api._state_fwd(s, *a, out_dtype=q.dtype, store_h=False))
+                t23n = time_jax(f23n, W, U, kout, dend, h0, qin, M)
                 do = x["do"]
                 f4 = jax.jit(lambda *a: api._state_bwd(s, *a))
                 t4 = time_jax(f4, M, do, kout, qin, W, dend, sT)
                 dh, dut, dh0 = f4(M, do, kout, qin, W, dend, sT)
                 f5 = jax.jit(lambda *a: api._intra_bwd(s, *a))
                 t5 = time_jax(f5, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh)
-                r = {"intra_fwd": t1, "state_fwd": t2, "output": t3, "state_bwd": t4, "intra_bwd": t5}
+                r = {"intra_fwd": t1, "state_fwd": t2, "output": t3, "state_fwd_output": t23,
+                     "state_fwd_output_no_h": t23n, "state_bwd": t4, "intra_bwd": t5}
                 out[f"{rule}/warps{nw}"] = r
                 log("stages", rule, "warps", nw, {k: round(v, 3) for k, v in r.items()})
             except Exception as ex:  # noqa: BLE001
@@ -518,7 +524,8 @@ def main(argv=None):
     ap.add_argument("--rules", default=",".join(RULES), help="comma-separated subset of " + ",".join(RULES))
     ap.add_argument("--pallas_chunk", type=int, default=None, help="Pallas chunk size (default: the kernels' own)")
     ap.add_argument("--pallas_tuning", default="",
-                    help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores")
+                    help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores,"
+                         "fuse_output=0")
     args = ap.parse_args(argv)
     rules = tuple(args.rules.split(","))
     for r in rules:
@@ -529,13 +536,18 @@ def main(argv=None):
         key, sep, val = item.partition("=")
         if not sep:
             ap.error(f"--pallas_tuning: expected knob=value items, got {item!r}")
-        if key not in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "anchored_bwd"):
+        if key not in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "anchored_bwd",
+                       "fuse_output"):
             ap.error(f"--pallas_tuning: unknown knob {key!r}")
         if key == "anchored_bwd":
             from kernels.delta.api import ANCHORED_BWD
             if val not in ANCHORED_BWD:
                 ap.error(f"--pallas_tuning: anchored_bwd must be one of {ANCHORED_BWD}, got {val!r}")
             PALLAS_TUNING[key] = val
+        elif key == "fuse_output":
+            if val not in ("0", "1"):
+                ap.error(f"--pallas_tuning: fuse_output must be 0 or 1, got {val!r}")
+            PALLAS_TUNING[key] = val == "1"
         else:
             try:
                 PALLAS_TUNING[key] = int(val)

@@ -103,6 +103,7 @@ class Spec:
     num_stages_state: int = STATE_STAGES  # GPU: Triton software-pipelining stages of the state passes' loop
     num_warps_scores: int = 4  # GPU: warps of the backward's scores kernel (``default_warps_scores``)
     anchored_bwd: str = "scores"  # per-channel gates: whether the backward's scores kernel anchors (ANCHORED_BWD)
+    fuse_output: bool = True  # the forward state pass takes the output (no output kernel; see _state_fwd)
 
 
 # ---------------------------------------------------------------------------
@@ -218,32 +219,49 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc):
                  semantics=("parallel", "parallel", "parallel"))(*args)
 
 
-@_dce_able
-def _state_fwd(s: Spec, W, U, kout, dend, h0):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("out_dtype", "store_h"))
+def _state_fwd(s: Spec, W, U, kout, dend, h0, qin=None, M=None, *, out_dtype=None, store_h=True):
+    """The forward state pass: ``(h, Ũ, final state)``; with ``qin`` and ``M`` it also takes the
+    output (the output kernel's work, fused: ``(h, Ũ, final state, o)`` in ``out_dtype``), and
+    ``store_h=False`` drops ``h`` (``None`` in its place: a forward no backward reads). In a ``jit``
+    of its own, as the forward kernels are (``_dce_able``)."""
     C, K, V, N, bv = s.cfg.chunk, s.K, s.V, s.N, s.bv
     nv = V // bv
+    out = kn.StateOut(h=store_h, o=qin is not None)
     out_shape = [jax.ShapeDtypeStruct(_chk_shape(s, K, V), s.state_dtype),  # h
                  jax.ShapeDtypeStruct(_tok_shape(s, V), s.store_dtype),     # Ũ
-                 jax.ShapeDtypeStruct((s.B, s.H, K, V), F32)]               # final state
+                 jax.ShapeDtypeStruct((s.B, s.H, K, V), F32),               # final state
+                 jax.ShapeDtypeStruct(_tok_shape(s, V), out_dtype or s.store_dtype)]  # o
+    args = [W, U, kout, dend, h0] + ([qin, M] if out.o else [])
     if s.target == "gpu":
         T = N * C
         fk = _tok_spec(s, T, K, lambda b, h, j: (b, 0, h, 0))
+        fc = _tok_spec(s, T, C, lambda b, h, j: (b, 0, h, 0))
         fv = _tok_spec(s, T, bv, lambda b, h, j: (b, 0, h, j))
         fd = _chk_spec(s, N, K, 1, lambda b, h, j: (b, 0, h, 0))
         st = _state_spec(s, bv, lambda b, h, j: (b, h, j))
         fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
-        return _call(s, functools.partial(kn.state_fwd_loop, s.cfg, N), grid=(s.B, s.H, nv),
-                     in_specs=[fk, fv, fk, fd, st], out_specs=[fh, fv, st], out_shape=out_shape,
-                     semantics=None, state=True)(W, U, kout, dend, h0)
-    ck = _tok_spec(s, C, K, lambda b, h, j, n: (b, n, h, 0))
-    cv = _tok_spec(s, C, bv, lambda b, h, j, n: (b, n, h, j))
-    cd = _chk_spec(s, None, K, 1, lambda b, h, j, n: (b, n, h, 0))
-    st = _state_spec(s, bv, lambda b, h, j, n: (b, h, j))
-    ch = _chk_spec(s, None, K, bv, lambda b, h, j, n: (b, n, h, j))
-    return _call(s, functools.partial(kn.state_fwd_grid, s.cfg), grid=(s.B, s.H, nv, N),
-                 in_specs=[ck, cv, ck, cd, st], out_specs=[ch, cv, st], out_shape=out_shape,
-                 semantics=("parallel", "parallel", "parallel", "arbitrary"),
-                 scratch=[pltpu.VMEM((K, bv), F32)])(W, U, kout, dend, h0)
+        in_specs, out_specs = [fk, fv, fk, fd, st, fk, fc], [fh, fv, st, fv]
+        body, grid, semantics, scratch = functools.partial(kn.state_fwd_loop, s.cfg, N, out), (s.B, s.H, nv), None, ()
+    else:
+        ck = _tok_spec(s, C, K, lambda b, h, j, n: (b, n, h, 0))
+        cc = _tok_spec(s, C, C, lambda b, h, j, n: (b, n, h, 0))
+        cv = _tok_spec(s, C, bv, lambda b, h, j, n: (b, n, h, j))
+        cd = _chk_spec(s, None, K, 1, lambda b, h, j, n: (b, n, h, 0))
+        st = _state_spec(s, bv, lambda b, h, j, n: (b, h, j))
+        ch = _chk_spec(s, None, K, bv, lambda b, h, j, n: (b, n, h, j))
+        in_specs, out_specs = [ck, cv, ck, cd, st, ck, cc], [ch, cv, st, cv]
+        body, grid = functools.partial(kn.state_fwd_grid, s.cfg, out), (s.B, s.H, nv, N)
+        semantics, scratch = ("parallel", "parallel", "parallel", "arbitrary"), [pltpu.VMEM((K, bv), F32)]
+    keep_in = [True] * 5 + [out.o] * 2
+    keep_out = [out.h, True, True, out.o]
+    res = _call(s, body, grid=grid, in_specs=[x for x, k_ in zip(in_specs, keep_in) if k_],
+                out_specs=[x for x, k_ in zip(out_specs, keep_out) if k_],
+                out_shape=[x for x, k_ in zip(out_shape, keep_out) if k_],
+                semantics=semantics, state=True, scratch=scratch)(*args)
+    it = iter(res)
+    full = [next(it) if k_ else None for k_ in keep_out]
+    return tuple(full) if out.o else tuple(full[:3])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -336,26 +354,38 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
 # custom_vjp over the laid-out, padded arrays.
 # ---------------------------------------------------------------------------
 def _forward(s: Spec, q, k, v, g, beta, doc, h0):
+    """The undifferentiated call: no residuals, so the state pass stores no ``h`` when it takes the
+    output (``Spec.fuse_output``)."""
     W, U, M, qin, kout, dend, KK = _intra_fwd(s, q, k, v, g, beta, doc)
-    h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
-    o = _output(s, qin, h, M, ut, q.dtype)
-    return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut)  # U: not needed backward
+    if s.fuse_output:
+        _, _, sT, o = _state_fwd(s, W, U, kout, dend, h0, qin, M, out_dtype=q.dtype, store_h=False)
+    else:
+        h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
+        o = _output(s, qin, h, M, ut, q.dtype)
+    return o, sT
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked(s: Spec, q, k, v, g, beta, doc, h0):
-    return _forward(s, q, k, v, g, beta, doc, h0)[0]
+    return _forward(s, q, k, v, g, beta, doc, h0)
 
 
 def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
     # The kernels' residuals carry a name, so a remat policy can keep them instead of running the
-    # forward kernels again in the backward pass (``save_only_these_names``). The output kernel
-    # reads the *named* values, and its output is named too: a policy recomputes what it does not
-    # save, and ``o`` rebuilt from the unnamed values would rerun the whole forward chain.
+    # forward kernels again in the backward pass (``save_only_these_names``). The kernel that takes
+    # the output (the state pass, or the output kernel) reads the *named* values, and ``o`` is named
+    # too: a policy recomputes what it does not save, and ``o`` rebuilt from the unnamed values would
+    # rerun the whole forward chain.
     W, U, M, qin, kout, dend, KK = _intra_fwd(s, q, k, v, g, beta, doc)
-    h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
-    W, M, qin, kout, dend, KK, h, ut = (checkpoint_name(a, RESIDUALS) for a in (W, M, qin, kout, dend, KK, h, ut))
-    o = checkpoint_name(_output(s, qin, h, M, ut, q.dtype), RESIDUALS)
+    if s.fuse_output:
+        W, M, qin, kout, dend = (checkpoint_name(a, RESIDUALS) for a in (W, M, qin, kout, dend))
+        h, ut, sT, o = _state_fwd(s, W, U, kout, dend, h0, qin, M, out_dtype=q.dtype)
+        KK, h, ut, o = (checkpoint_name(a, RESIDUALS) for a in (KK, h, ut, o))
+    else:
+        h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
+        W, M, qin, kout, dend, KK, h, ut = (checkpoint_name(a, RESIDUALS)
+                                            for a in (W, M, qin, kout, dend, KK, h, ut))
+        o = checkpoint_name(_output(s, qin, h, M, ut, q.dtype), RESIDUALS)
     return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut)  # U: not needed backward
 
 
@@ -455,7 +485,7 @@ def _check_gate_bound(g, gate, bound):
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, num_stages_state=None, state_dtype=None,
-             anchored_bwd=None, num_warps_scores=None):
+             anchored_bwd=None, num_warps_scores=None, fuse_output=True):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     gate_bound = _check_gate_bound(g, gate, gate_lower_bound)
     if q.ndim != 4:
@@ -496,6 +526,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         anchored_bwd = "scores"
     if anchored_bwd not in ANCHORED_BWD:
         raise ValueError(f"`anchored_bwd` must be one of {ANCHORED_BWD}, got {anchored_bwd!r}")
+    if not isinstance(fuse_output, bool):
+        raise ValueError(f"`fuse_output` must be True or False, got {fuse_output!r}")
     for name, w in (("num_warps", num_warps), ("num_warps_state", num_warps_state),
                     ("num_warps_scores", num_warps_scores)):
         if w is not None and w not in (1, 2, 4, 8, 16):
@@ -508,7 +540,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              num_stages_state=STATE_STAGES if num_stages_state is None else int(num_stages_state),
              num_warps_scores=(default_warps_scores(cfg.gate, num_warps) if num_warps_scores is None
                                else int(num_warps_scores)),
-             anchored_bwd=anchored_bwd)
+             anchored_bwd=anchored_bwd, fuse_output=fuse_output)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)

@@ -99,36 +99,68 @@ def state_fwd_step(cfg: Cfg, S, w, u, ko, d):
     return ut, S
 
 
-def state_fwd_loop(cfg: Cfg, n_chunks: int, w_ref, u_ref, ko_ref, dend_ref, h0_ref, h_ref, ut_ref, st_ref):
+def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
+    """GPU: one program per ``(b, h, value block)`` carries ``S`` through the chunks. With ``out.o``
+    each chunk's output block ``O_n = q_in S_n + M Ũ_n`` is taken here, from the state in registers
+    (the output kernel's work, without writing and re-reading ``h``); without ``out.h`` no state is
+    stored (a forward that no backward reads)."""
+    (w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref), (h_ref, ut_ref, st_ref, o_ref) = out.split(refs)
     C = cfg.chunk
 
     def body(n, S):
-        h_ref[n] = S.astype(h_ref.dtype)
+        if h_ref is not None:
+            h_ref[n] = S.astype(h_ref.dtype)
         rows = pl.ds(pl.multiple_of(n * C, C), C)
+        S_n = S
         ut, S = state_fwd_step(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :],
                                dend_ref[n].astype(F32))
         ut_ref[rows, :] = ut.astype(ut_ref.dtype)
+        if o_ref is not None:
+            o_ref[rows, :] = _chunk_output(cfg, qin_ref[rows, :], S_n, m_ref[rows, :], ut).astype(o_ref.dtype)
         return S
 
     st_ref[...] = lax.fori_loop(0, n_chunks, body, h0_ref[...].astype(F32)).astype(st_ref.dtype)
 
 
-def state_fwd_grid(cfg: Cfg, w_ref, u_ref, ko_ref, dend_ref, h0_ref, h_ref, ut_ref, st_ref, s_scr):
+def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):
+    """TPU: the chunk axis is the last grid axis, the state lives in a VMEM scratch buffer; ``out`` as
+    in :func:`state_fwd_loop`."""
+    (w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref), (h_ref, ut_ref, st_ref, o_ref) = out.split(refs[:-1])
+    s_scr = refs[-1]
     n = pl.program_id(3)
 
     @pl.when(n == 0)
     def _():
         s_scr[...] = h0_ref[...].astype(F32)
 
-    S = s_scr[...]
-    h_ref[...] = S.astype(h_ref.dtype)
-    ut, S = state_fwd_step(cfg, S, w_ref[...], u_ref[...].astype(F32), ko_ref[...], dend_ref[...].astype(F32))
+    S_n = s_scr[...]
+    if h_ref is not None:
+        h_ref[...] = S_n.astype(h_ref.dtype)
+    ut, S = state_fwd_step(cfg, S_n, w_ref[...], u_ref[...].astype(F32), ko_ref[...], dend_ref[...].astype(F32))
     ut_ref[...] = ut.astype(ut_ref.dtype)
+    if o_ref is not None:
+        o_ref[...] = _chunk_output(cfg, qin_ref[...], S_n, m_ref[...], ut).astype(o_ref.dtype)
     s_scr[...] = S
 
     @pl.when(n == pl.num_programs(3) - 1)
     def _():
         st_ref[...] = S.astype(st_ref.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateOut:
+    """What the forward state pass writes besides ``Ũ`` and the final state: ``h`` (the state before
+    every chunk, for the backward) and/or ``o`` (the output, fused: then ``q_in`` and ``M`` are
+    inputs too). Splits a kernel's refs into its 7 inputs and 4 outputs, ``None`` where absent."""
+
+    h: bool = True
+    o: bool = False
+
+    def split(self, refs):
+        it = iter(refs)
+        ins = [next(it) for _ in range(5)] + ([next(it), next(it)] if self.o else [None, None])
+        outs = [next(it) if self.h else None, next(it), next(it), next(it) if self.o else None]
+        return ins, outs
 
 
 def state_bwd_step(cfg: Cfg, dS, m, do, ko, qi, w, d):
@@ -176,9 +208,13 @@ def state_bwd_grid(cfg: Cfg, m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst
 # ---------------------------------------------------------------------------
 # output
 # ---------------------------------------------------------------------------
+def _chunk_output(cfg: Cfg, qin, S, M, ut):
+    """``O_n = q_in S_n + M Ũ_n`` (f32): the state's contribution and the chunk's own tokens'."""
+    return mm(cfg, qin, S) + mm(cfg, M, ut)
+
+
 def output(cfg: Cfg, qin_ref, h_ref, m_ref, ut_ref, o_ref):
-    o = mm(cfg, qin_ref[...], h_ref[...]) + mm(cfg, m_ref[...], ut_ref[...])
-    o_ref[...] = o.astype(o_ref.dtype)
+    o_ref[...] = _chunk_output(cfg, qin_ref[...], h_ref[...], m_ref[...], ut_ref[...]).astype(o_ref.dtype)
 
 
 # ---------------------------------------------------------------------------

@@ -199,6 +199,26 @@ def test_four_tile_chunks_on_gpu_flavour(rule):
     check(rule, make_inputs(4, gates="bound"), True, 1e-4, target="gpu", chunk_size=64)
 
 
+def test_unfused_output_kernel_on_gpu_flavour():
+    """``fuse_output=False``: the output kernel after the state pass instead of the state pass taking
+    the output (the default, tested above) — the same forward, final state and gradients."""
+    check("gdn", make_inputs(0), True, 1e-4, target="gpu", tuning=(("fuse_output", False),))
+
+
+@pytest.mark.parametrize("target,fuse", [("gpu", True), ("gpu", False), ("tpu", True)])
+def test_forward_alone_matches_the_reference(target, fuse):
+    """An undifferentiated call keeps no residuals: with the output fused, the state pass stores no
+    per-chunk state at all. Its output and final state equal the reference's."""
+    x = make_inputs(5)
+    q, k, v, g, beta, S0, seg = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta", "S0", "seg"))
+    o1, s1 = jax.jit(lambda *a: kd.chunk_kda(*a, initial_state=S0, segment_ids=seg, target=target,
+                                             interpret=True, fuse_output=fuse))(q, k, v, g, beta)
+    o0, s0 = kref.recurrent(q, k, v, beta, g, initial_state=S0, segment_ids=seg)
+    assert rel_err(o1, o0) <= 1e-4 and rel_err(s1, s0) <= 1e-4
+    with pytest.raises(ValueError, match="fuse_output"):
+        kd.chunk_kda(q, k, v, g, beta, target=target, interpret=True, fuse_output=1)
+
+
 @pytest.mark.parametrize("gates", ["bound", "floor"])
 def test_bounded_anchored_backward_on_gpu_flavour(gates):
     """The launch knob ``anchored_bwd`` beside its default ("scores", tested above): the exact loop
@@ -282,22 +302,24 @@ def test_scores_kernel_warps_follow_the_gate(rule, warps):
         launches(num_warps_scores=3)
 
 
+@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("policy", ["names", "nothing"])
-def test_remat_runs_each_kernel_once_when_the_residuals_are_saved(policy):
+def test_remat_runs_each_kernel_once_when_the_residuals_are_saved(policy, fuse):
     """Under ``jax.checkpoint`` with the kernels' named residuals saved, the backward pass reruns
-    no forward kernel (3 forward + 3 backward launches); saving nothing reruns the 3 forward ones
-    (JAX keeps a bare ``pallas_call`` even when its outputs are unused: the launches are wrapped so
-    that an unused recomputation is dropped)."""
+    no forward kernel (2 forward launches with the output fused into the state pass, 3 without; 3
+    backward); saving nothing reruns the forward ones (JAX keeps a bare ``pallas_call`` even when its
+    outputs are unused: the launches are wrapped so that an unused recomputation is dropped)."""
     x = make_inputs(0)
     q, k, v, g, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta"))
     pol = {"names": jax.checkpoint_policies.save_only_these_names(kd.RESIDUALS),
            "nothing": jax.checkpoint_policies.nothing_saveable}[policy]
 
     def f(q):
-        o, _ = kd.chunk_kda(q, k, v, g, beta, target="gpu", interpret=True)
+        o, _ = kd.chunk_kda(q, k, v, g, beta, target="gpu", interpret=True, fuse_output=fuse)
         return jnp.sum(jnp.sin(o))
     jaxpr = jax.make_jaxpr(jax.value_and_grad(jax.checkpoint(f, policy=pol)))(q).jaxpr
-    assert live_pallas_calls(jaxpr) == {"names": 6, "nothing": 9}[policy]
+    fwd = 2 if fuse else 3
+    assert live_pallas_calls(jaxpr) == {"names": fwd + 3, "nothing": 2 * fwd + 3}[policy]
 
 
 def test_anchored_bwd_rejects_unknown_value():
