@@ -256,6 +256,66 @@ def test_value_blocks_narrower_than_the_value_dim(bv, stages):
         assert rel_err(a, b) <= 1e-4
 
 
+@pytest.mark.parametrize("rule,dtype", [("delta", "float32"), ("kda", "float32"), ("gdn", "bfloat16")])
+def test_mosaic_backward_state_pass_in_the_vjp(rule, dtype):
+    """``state_bwd="mosaic"``: the backward state pass on the Mosaic GPU lowering inside the
+    ``custom_vjp`` (compiled on a GPU, its interpreter elsewhere) — the forward, final state and every
+    gradient equal the reference's, with resets, an initial state and T not a multiple of the chunk.
+    K = V = 64: the widths its wgmma tiles take."""
+    r = np.random.default_rng(8)
+    Bs, Ts, Hs, D = 1, 70, 2, 64
+    kk = r.normal(size=(Bs, Ts, Hs, D))
+    q, k = r.normal(size=(Bs, Ts, Hs, D)), kk / np.linalg.norm(kk, axis=-1, keepdims=True)
+    v, beta = r.normal(size=(Bs, Ts, Hs, D)), r.uniform(0.05, 1.0, (Bs, Ts, Hs))
+    g = -r.uniform(0, 1, (Bs, Ts, Hs, D)) if rule == "kda" else -r.uniform(0, 1, (Bs, Ts, Hs))
+    S0, w_o, w_s = 0.5 * r.normal(size=(Bs, Hs, D, D)), r.normal(size=(Bs, Ts, Hs, D)), r.normal(size=(Bs, Hs, D, D))
+    seg = jnp.asarray((np.arange(Ts) >= 23) + (np.arange(Ts) >= 64), jnp.int32)[None]
+    dt = jnp.dtype(dtype)
+    args = [jnp.asarray(a, dt) for a in (q, k, v)] + [jnp.asarray(a, jnp.float32) for a in (g, beta, S0)]
+    gate = {"delta": None, "gdn": "scalar", "kda": "channel"}[rule]
+
+    def loss(fn):
+        def f(q, k, v, g, beta, S0):
+            o, S = fn(q, k, v, None if gate is None else g, beta, S0)
+            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(S * w_s), (o, S)
+        return jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))
+
+    kern = lambda q, k, v, g, beta, S0: kd._delta(  # noqa: E731
+        q, k, v, g, beta, gate=gate, scale=None, initial_state=S0, segment_ids=seg, chunk_size=None,
+        target="gpu", interpret=_interpret("gpu"), state_bwd="mosaic")
+    ref = lambda q, k, v, g, beta, S0: kref.recurrent(q, k, v, beta, g, initial_state=S0,  # noqa: E731
+                                                      segment_ids=seg)
+    (_, out1), g1 = loss(kern)(*args)
+    (_, out0), g0 = loss(ref)(*[a.astype(jnp.float32) for a in args])
+    tol = 1e-4 if dtype == "float32" else 1e-2
+    for name, a, b in zip(("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dS0"), (*out1, *g1), (*out0, *g0)):
+        if name == "dg" and gate is None:
+            continue
+        assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+
+
+def test_default_state_bwd_lowering():
+    """``default_state_bwd``: Mosaic GPU for compiled 16-bit runs with at least ``MOSAIC_BWD_PROGRAMS``
+    programs of 64 value columns and widths its tiles take, Triton otherwise; an explicit choice is
+    validated by name."""
+    from kernels.delta import api
+    bf16, n = jnp.bfloat16, api.MOSAIC_BWD_PROGRAMS
+    assert api.default_state_bwd(32, 32, 128, 128, bf16, False) == "mosaic"       # (2, 8192) x 16 heads
+    assert api.default_state_bwd(16, 32, 128, 128, bf16, False) == "triton"       # (1, 32768): 32 programs
+    assert api.default_state_bwd(n, 32, 128, 64, bf16, False) == "mosaic"
+    assert api.default_state_bwd(n - 1, 32, 128, 64, bf16, False) == "triton"
+    assert api.default_state_bwd(128, 32, 128, 128, jnp.float32, False) == "triton"
+    assert api.default_state_bwd(128, 32, 128, 128, bf16, True) == "triton"       # interpreted
+    assert api.default_state_bwd(128, 32, 32, 128, bf16, False) == "triton"       # K = 32
+    z = jnp.zeros((1, 64, 2, 32), bf16)
+    with pytest.raises(ValueError, match="state_bwd"):
+        kd.chunk_delta_rule(z, z, z, z[..., 0], state_bwd="wgmma")
+    with pytest.raises(ValueError, match="state_bwd='mosaic'.*K=32"):
+        kd.chunk_delta_rule(z, z, z, z[..., 0], target="gpu", state_bwd="mosaic")
+    with pytest.raises(ValueError, match="GPU lowering"):
+        kd.chunk_delta_rule(z, z, z, z[..., 0], target="tpu", state_bwd="mosaic")
+
+
 def test_default_value_blocks_fill_the_gpu():
     """``default_bv``: 32-wide value blocks while B·H·V/32 programs reach ``STATE_PROGRAMS``, else
     16-wide (one long sequence); never wider than V, never below 16."""
