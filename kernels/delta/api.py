@@ -81,11 +81,12 @@ STATE_PROGRAMS = 128  # default_bv: fewest programs a state pass should launch b
 RESIDUALS = "delta_rule_residuals"  # checkpoint_name of the forward kernels' outputs kept for the backward
 # GPU backward state pass: the Triton loop or the Mosaic GPU kernel (:mod:`kernels.delta.mosaic_gpu`: TMA
 # ring, wgmma with dS as the accumulator, one warpgroup per 64 value columns). "auto" takes Mosaic GPU
-# when it runs compiled on 16-bit inputs that its tiles take and it launches at least
-# MOSAIC_BWD_PROGRAMS programs; on one H200 (bf16, H 16, D 128) it took 0.57 / 0.38 ms against Triton's
-# 0.61 / 0.52 at (2, 8192) / (8, 2048) (64 / 256 programs), and 1.97 against 1.51 at (1, 32768) (32).
+# when it runs compiled on 16-bit inputs that its tiles take and launches at least MOSAIC_BWD_PROGRAMS
+# programs. Whole fwd+bwd on one H200 (bf16, H 16, D 128, ms, Mosaic / Triton backward state pass):
+# (8, 2048), 256 programs: DeltaNet 2.58 / 2.74, GDN 3.44 / 3.60, KDA 4.34 / 4.56; (2, 8192), 64
+# programs: 3.21 / 2.87, 3.86 / 3.63, 4.68 / 4.55 (docs/benchmarks.md).
 STATE_BWD = ("auto", "triton", "mosaic")
-MOSAIC_BWD_PROGRAMS = 64
+MOSAIC_BWD_PROGRAMS = 128
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
                        # values they scale before products go subnormal (flushed on tensor cores)
 
@@ -463,7 +464,7 @@ def _mosaic_fits(C, K, V) -> bool:
 def default_state_bwd(BH: int, C: int, K: int, V: int, dtype, interpret: bool) -> str:
     """GPU: the backward state pass's lowering (``STATE_BWD``): Mosaic GPU where it runs compiled on
     16-bit inputs its tiles take and launches at least ``MOSAIC_BWD_PROGRAMS`` programs (one per
-    batch·head and 64 value columns; with fewer, Triton's 16-column blocks keep more SMs busy), else
+    batch·head and 64 value columns; with fewer, Triton's 16- or 32-column blocks launch more), else
     Triton. Float32 stays on Triton: its f32 products are f32-accurate (``BF16X6``), Mosaic's are
     three bf16 products (≈ 2⁻¹⁶ relative)."""
     if interpret or jnp.dtype(dtype) == jnp.float32 or not _mosaic_fits(C, K, V):
