@@ -525,7 +525,7 @@ def main(argv=None):
     ap.add_argument("--pallas_chunk", type=int, default=None, help="Pallas chunk size (default: the kernels' own)")
     ap.add_argument("--pallas_tuning", default="",
                     help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores,"
-                         "fuse_output=0,state_bwd=triton")
+                         "fuse_output=0,state_bwd=triton,inverse=loop")
     args = ap.parse_args(argv)
     rules = tuple(args.rules.split(","))
     for r in rules:
@@ -537,17 +537,18 @@ def main(argv=None):
         if not sep:
             ap.error(f"--pallas_tuning: expected knob=value items, got {item!r}")
         if key not in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "anchored_bwd",
-                       "fuse_output", "state_bwd"):
+                       "fuse_output", "state_bwd", "inverse"):
             ap.error(f"--pallas_tuning: unknown knob {key!r}")
         if key == "anchored_bwd":
             from kernels.delta.api import ANCHORED_BWD
             if val not in ANCHORED_BWD:
                 ap.error(f"--pallas_tuning: anchored_bwd must be one of {ANCHORED_BWD}, got {val!r}")
             PALLAS_TUNING[key] = val
-        elif key == "state_bwd":
-            from kernels.delta.api import STATE_BWD
-            if val not in STATE_BWD:
-                ap.error(f"--pallas_tuning: state_bwd must be one of {STATE_BWD}, got {val!r}")
+        elif key in ("state_bwd", "inverse"):
+            from kernels.delta.api import INVERSES, STATE_BWD
+            allowed = STATE_BWD if key == "state_bwd" else INVERSES
+            if val not in allowed:
+                ap.error(f"--pallas_tuning: {key} must be one of {allowed}, got {val!r}")
             PALLAS_TUNING[key] = val
         elif key == "fuse_output":
             if val not in ("0", "1"):

@@ -54,7 +54,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from . import kernels as kn
-from .tiles import BF16X6, F32, Cfg
+from .tiles import BF16X6, F32, INVERSES, Cfg
 
 try:  # both exist in jax 0.10 / 0.11
     from jax.experimental.pallas import triton as pltriton
@@ -514,9 +514,11 @@ def _check_gate_bound(g, gate, bound):
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, num_stages_state=None, state_dtype=None,
-             anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto"):
+             anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto", inverse="blocks"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     gate_bound = _check_gate_bound(g, gate, gate_lower_bound)
+    if inverse not in INVERSES:
+        raise ValueError(f"`inverse` must be one of {INVERSES}, got {inverse!r}")
     if q.ndim != 4:
         raise ValueError(f"`q` must be [B, T, H, K], got shape {q.shape}")
     B, T, H, K0 = q.shape
@@ -550,7 +552,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     cfg = Cfg(chunk=C, gate=gate or "none", docs=segment_ids is not None, scale=float(scale),
               mm_dtype=io_dtype if low else F32, mm_prec=None if low else f32_prec,
               solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound,
-              anchor_when_safe=(target == "gpu"))
+              anchor_when_safe=(target == "gpu"), inverse=inverse)
     if anchored_bwd is None:
         anchored_bwd = "scores"
     if anchored_bwd not in ANCHORED_BWD:

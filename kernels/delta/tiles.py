@@ -77,6 +77,8 @@ class Cfg:
     gate_bound: Optional[float] = None  # "channel" only: every gate >= gate_bound (>= -8): anchored diagonal tiles
     anchor_when_safe: bool = False  # "channel", exact gates: anchor each diagonal tile whose gates allow it
                                     # (a per-tile branch, Chunk.anchor_safe), the 16-step loop elsewhere
+    inverse: str = "blocks"  # the diagonal tiles' (I + A)⁻¹: "blocks" (four block merges, matmuls) or
+                             # "loop" (16-step forward substitution); see unit_lower_inverse_t
 
     @property
     def nb(self) -> int:
@@ -215,15 +217,37 @@ def loop(unroll: bool, lo: int, hi: int, body, carry):
     return lax.fori_loop(lo, hi, body, carry)
 
 
-def unit_lower_inverse_t(a, unroll=False):
-    """``(I + a)⁻ᵀ`` for strictly lower ``a`` ``[n, n]``, by forward substitution.
+INVERSES = ("blocks", "loop")
 
-    Row ``i`` of ``T = (I + a)⁻¹`` is ``e_i − Σ_{j<i} a_ij T_j``; we build ``Tᵀ``
-    column by column so that each step reads row ``i`` of ``a`` (a masked sum over
-    rows) and needs no transpose. f32 throughout.
+
+def unit_lower_inverse_t(a, unroll=False, method="blocks", precision=BF16X6):
+    """``(I + a)⁻ᵀ`` for strictly lower ``a`` ``[n, n]`` (``n`` a power of two), f32.
+
+    ``"blocks"``: recursive doubling of the diagonal blocks. With ``T`` the inverse of the
+    block-diagonal part of ``I + a`` in ``b``-blocks (``T = I`` for ``b = 1``), the inverse in
+    ``2b``-blocks is ``T − T a_b T``, where ``a_b`` keeps the entries of ``a`` whose row lies in the
+    lower and column in the upper half of one ``2b``-block (``[[T₁, 0], [−T₂ a₂₁ T₁, T₂]]`` for
+    every block at once). ``log₂ n`` merges of two small matmuls, taken at ``precision`` (default
+    :data:`BF16X6`: f32-accurate products); every intermediate is a block of the inverse itself, so
+    nothing grows beyond it (unlike a Neumann product ``Π (I + a^{2^k})``). Built transposed:
+    ``Tᵀ ← Tᵀ − Tᵀ a_bᵀ Tᵀ``.
+
+    ``"loop"``: forward substitution, ``n − 1`` dependent steps of masked row/column sums:
+    row ``i`` of ``T`` is ``e_i − Σ_{j<i} a_ij T_j``, built as ``Tᵀ`` column by column.
     """
     n = a.shape[0]
     r, c = iota((n, n), 0), iota((n, n), 1)
+    if method == "blocks":
+        tt = (r == c).astype(F32)
+        blk = lambda x, s: lax.shift_right_logical(x, jnp.int32(s))  # noqa: E731  x // 2^s (x >= 0)
+        s_ = 0
+        while (1 << s_) < n:  # b = 2^s_
+            a_b = jnp.where((blk(r, s_ + 1) == blk(c, s_ + 1)) & (blk(r, s_) > blk(c, s_)), a, 0.0)
+            tt = tt - dot(dot(tt, a_b, tb=True, precision=precision), tt, precision=precision)
+            s_ += 1
+        return tt
+    if method != "loop":
+        raise ValueError(f"`inverse` must be one of {INVERSES}, got {method!r}")
 
     def body(i, tt):
         a_i = jnp.sum(jnp.where(r == i, a, 0.0), axis=0, keepdims=True)  # [1, n]: a[i, :]
@@ -598,5 +622,7 @@ def solve_backward(cfg: Cfg, A, tT, dX):
 def ut_system(cfg: Cfg, ch: Chunk, KK, beta):
     """``A = β ⊙ KK`` (tiles) and the transposed inverses of its diagonal tiles."""
     A = [{J: beta[I] * KK[I][J] for J in KK[I]} for I in range(cfg.nb)]
-    tT = [unit_lower_inverse_t(A[I][I], cfg.unroll) for I in range(cfg.nb)]
+    # f32-accurate products for the inverse whatever the solve's precision (GPU: tf32 for 16-bit inputs)
+    prec = cfg.solve_prec if cfg.solve_prec == HIGHEST else BF16X6
+    tT = [unit_lower_inverse_t(A[I][I], cfg.unroll, cfg.inverse, prec) for I in range(cfg.nb)]
     return A, tT

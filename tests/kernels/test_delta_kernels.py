@@ -212,11 +212,34 @@ def test_forward_alone_matches_the_reference(target, fuse):
     x = make_inputs(5)
     q, k, v, g, beta, S0, seg = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta", "S0", "seg"))
     o1, s1 = jax.jit(lambda *a: kd.chunk_kda(*a, initial_state=S0, segment_ids=seg, target=target,
-                                             interpret=True, fuse_output=fuse))(q, k, v, g, beta)
+                                             interpret=_interpret(target), fuse_output=fuse))(q, k, v, g, beta)
     o0, s0 = kref.recurrent(q, k, v, beta, g, initial_state=S0, segment_ids=seg)
     assert rel_err(o1, o0) <= 1e-4 and rel_err(s1, s0) <= 1e-4
     with pytest.raises(ValueError, match="fuse_output"):
         kd.chunk_kda(q, k, v, g, beta, target=target, interpret=True, fuse_output=1)
+
+
+def test_forward_substitution_inverse_on_gpu_flavour():
+    """``inverse="loop"``: the diagonal tiles' ``(I + A)⁻¹`` by forward substitution instead of the
+    block merges (the default, tested above) — the same forward, final state and gradients."""
+    check("kda", make_inputs(0), True, 1e-4, target="gpu", tuning=(("inverse", "loop"),))
+    with pytest.raises(ValueError, match="inverse"):
+        run("delta", "kernels", make_inputs(0), True, tuning=(("inverse", "neumann"),))
+
+
+@pytest.mark.parametrize("method", ["blocks", "loop"])
+def test_unit_lower_inverse(method):
+    """Both ways of the 16×16 unit lower inverse against LAPACK's, to float32 accuracy: random
+    entries, an all-ones strict lower part (every power of it large, the inverse ±1) and one whose
+    inverse grows to ~7e3."""
+    from kernels.delta.tiles import unit_lower_inverse_t
+    r = np.random.default_rng(9)
+    cases = [np.tril(r.uniform(-1, 1, (16, 16)), -1), np.tril(np.ones((16, 16)), -1),
+             -0.9 * np.tril(np.ones((16, 16)), -1)]
+    f = jax.jit(lambda a: unit_lower_inverse_t(a, False, method))
+    for a in cases:
+        want = np.linalg.inv(np.eye(16) + a).T
+        assert rel_err(f(jnp.asarray(a, jnp.float32)), want) <= 1e-6
 
 
 @pytest.mark.parametrize("gates", ["bound", "floor"])
