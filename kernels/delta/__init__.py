@@ -1,6 +1,7 @@
 """Pallas kernels for the chunked (WY/UT) delta-rule family: DeltaNet, Gated DeltaNet, KDA.
 
-See :mod:`kernels.delta.api` for the public functions and the GPU/TPU choices,
+See :mod:`kernels.delta.api` for the public functions and the GPU/TPU choices (which GPU
+lowering runs each kernel, Triton or Mosaic GPU, and the measurements behind it),
 :mod:`kernels.delta.tiles` for the in-kernel math and its numerics, and
 :mod:`kernels.delta.kernels` for the five kernel bodies.
 """

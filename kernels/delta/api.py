@@ -1,22 +1,28 @@
 """Public API, layouts and the ``custom_vjp`` of the chunked delta-rule kernels.
 
-GPU: the Pallas **Triton** lowering, with the sequential state passes also on **Mosaic GPU**
-(:mod:`kernels.delta.mosaic_gpu`). The choice, and the evidence: JAX 0.11 deprecates the Triton
-lowering in favour of Mosaic GPU (wgmma, TMA, warp specialisation). The Triton lowering takes
-ordinary ``jnp``/``lax`` bodies (``where``, ``exp``, reductions, small ``dot_general`` calls,
-``fori_loop``) — the tile math this rule needs, shared verbatim with the TPU kernels in
-:mod:`kernels.delta.tiles` — and runs with ``interpret=True`` on the CPU with the same code. Mosaic
-GPU has no ``dot_general``: its kernels are written at the warpgroup level (explicit SMEM tiles,
-TMA copies, barriers, 64-row ``wgmma`` tiles), so they cannot share a body with the TPU kernels.
+GPU: the Pallas **Triton** lowering for the parallel (intra-chunk) kernels and the forward state
+pass; the backward state pass on **Mosaic GPU** (:mod:`kernels.delta.mosaic_gpu`) where it is
+faster, and both state passes kept on both lowerings and tested against each other. The choice, and
+the evidence: JAX 0.11 deprecates the Triton lowering in favour of Mosaic GPU (wgmma, TMA, warp
+specialisation). The Triton lowering takes ordinary ``jnp``/``lax`` bodies (``where``, ``exp``,
+reductions, small ``dot_general`` calls, ``fori_loop``) — the tile math this rule needs, shared
+verbatim with the TPU kernels in :mod:`kernels.delta.tiles` — and runs with ``interpret=True`` on
+the CPU with the same code. Mosaic GPU has no ``dot_general``: its kernels are written at the
+warpgroup level (explicit SMEM tiles, TMA copies, barriers, 64-row ``wgmma`` tiles), so they cannot
+share a body with the TPU kernels; the intra-chunk kernels stay on Triton until they are ported.
 The state passes, the latency-bound loops where wgmma and TMA should pay most, exist on both
-lowerings and are tested against each other: on one H200 (bf16, (2, 8192), H 16, D 128) the Mosaic
-GPU passes take 0.42 / 0.54 ms (forward / backward) against Triton's 0.48 / 0.56 — within the
-run-to-run spread of the whole fwd+bwd, so the Triton passes stay the default until the
-intra-chunk kernels move too (docs/benchmarks.md). If the Triton lowering is removed, the state
-passes keep running on Mosaic GPU; the intra-chunk kernels would need the same port. GPU chunks
-are 32 tokens (two 16-row tiles): Triton's compile time grows steeply with the unrolled tile pairs
-(see :func:`default_chunk`). Measured on an H200 against fla's Triton kernels in the same process:
-docs/benchmarks.md.
+lowerings (same arguments and results). Timed alone on one H200 (bf16, H 16, D 128, ms, Mosaic GPU
+/ Triton): forward 0.43 / 0.54 at (2, 8192) and 0.29 / 0.32 at (8, 2048); backward 0.55 / 0.59 and
+0.38 / 0.36 — differences within the run-to-run spread of single kernels (±20%). Inside the whole
+fwd+bwd the Mosaic GPU backward pass was faster at (8, 2048) (256 programs: DeltaNet 2.58 against
+2.74 ms, GDN 3.44 / 3.60, KDA 4.34 / 4.56) and slower at (2, 8192) (64 programs: 3.21 / 2.87,
+3.86 / 3.63, 4.68 / 4.55), so it is the default from ``MOSAIC_BWD_PROGRAMS`` = 128 programs on
+(``state_bwd="auto"``; ``"triton"`` / ``"mosaic"`` force one). The forward stays on Triton because
+the Triton pass takes the output too (``Spec.fuse_output``), which the Mosaic GPU pass does not.
+If the Triton lowering is removed, the state passes keep running on Mosaic GPU; the intra-chunk
+kernels would need the same port. GPU chunks are 32 tokens (two 16-row tiles): Triton's compile
+time grows steeply with the unrolled tile pairs (see :func:`default_chunk`). Measured against fla's
+Triton kernels in the same process: docs/benchmarks.md.
 
 TPU: Mosaic. Tensors go head-major ``[B, H, T, D]`` so every block's last two
 dims are ``(C, 128·m)`` (chunk rows × lanes; K and V are padded to 128) or equal

@@ -6,7 +6,8 @@ carry the state across chunks:
 =====================  =====  ==================================================
 ``intra_fwd``          par    gates, scores ``M``/``KK``, solve → ``W, U, M, q_in, k_out, d_end, KK``
 ``state_fwd_*``        seq    ``S_n`` per chunk, ``Ũ = U − W S``, ``S ← d ⊙ S + k_outᵀ Ũ``
-``output``             par    ``O = q_in S_n + M Ũ``
+``output``             par    ``O = q_in S_n + M Ũ`` (only with ``fuse_output=False``: by default
+                              ``state_fwd_*`` takes it, from the state it holds)
 ``state_bwd_*``        seq    reverse: ``dŨ = Mᵀ dO + k_out dS``, ``dS ← q_inᵀ dO + d ⊙ dS − Wᵀ dŨ``
 ``intra_bwd``          par    ``dq, dk, dv, dβ, dg`` from ``S_n, dS_{n+1}, Ũ, dŨ`` and ``KK``
 =====================  =====  ==================================================

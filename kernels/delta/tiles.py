@@ -7,9 +7,10 @@ uses only what lowers everywhere: static ``ref[pl.ds(..)]`` loads and stores,
 fp32 accumulation. There is no cumsum, no transpose, no triangular solve and no
 value slicing: a prefix sum is a loop of row adds (gates) or a matmul with a 0/1
 triangle (their gradient), a transpose is a ``dot_general`` contraction or a masked
-sum against an identity, and the solve is forward substitution on 16×16 diagonal
-tiles merged by matmuls. The 16-step loops are ``lax.fori_loop`` on GPU/CPU (Triton
-compile time) and Python-unrolled on TPU (``Cfg.unroll``).
+sum against an identity, and the solve inverts its 16×16 diagonal tiles by block
+merges (:func:`unit_lower_inverse_t`) and joins the tiles by matmuls. The 16-step loops
+(per-channel diagonal tiles) are ``lax.fori_loop`` on GPU/CPU (Triton compile time) and
+Python-unrolled on TPU (``Cfg.unroll``).
 
 Notation for one chunk of ``C`` tokens split into ``nb = C/16`` tiles ``I``:
 
