@@ -467,13 +467,24 @@ def _mosaic_fits(C, K, V) -> bool:
     return K % 64 == 0 and K <= 256 and V % 64 == 0 and (C in (16, 32) or (C % 64 == 0 and C <= 256))
 
 
-def default_state_bwd(BH: int, C: int, K: int, V: int, dtype, interpret: bool) -> str:
-    """GPU: the backward state pass's lowering (``STATE_BWD``): Mosaic GPU where it runs compiled on
-    16-bit inputs its tiles take and launches at least ``MOSAIC_BWD_PROGRAMS`` programs (one per
-    batch·head and 64 value columns; with fewer, Triton's 16- or 32-column blocks launch more), else
-    Triton. Float32 stays on Triton: its f32 products are f32-accurate (``BF16X6``), Mosaic's are
-    three bf16 products (≈ 2⁻¹⁶ relative)."""
-    if interpret or jnp.dtype(dtype) == jnp.float32 or not _mosaic_fits(C, K, V):
+def _on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x): what the Mosaic GPU
+    passes' wgmma tiles and TMA copies need."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:  # pragma: no cover
+        return False
+    cc = str(getattr(dev, "compute_capability", "") or "")
+    return dev.platform == "gpu" and cc.split(".")[0] == "9"
+
+
+def default_state_bwd(BH: int, C: int, K: int, V: int, dtype, interpret: bool, hopper: bool = True) -> str:
+    """GPU: the backward state pass's lowering (``STATE_BWD``): Mosaic GPU where it runs compiled on a
+    Hopper GPU (``hopper``; wgmma and TMA are sm_90 features) on 16-bit inputs its tiles take and
+    launches at least ``MOSAIC_BWD_PROGRAMS`` programs (one per batch·head and 64 value columns; with
+    fewer, Triton's 16- or 32-column blocks launch more), else Triton. Float32 stays on Triton: its
+    f32 products are f32-accurate (``BF16X6``), Mosaic's are three bf16 products (≈ 2⁻¹⁶ relative)."""
+    if interpret or not hopper or jnp.dtype(dtype) == jnp.float32 or not _mosaic_fits(C, K, V):
         return "triton"
     return "mosaic" if BH * (V // 64) >= MOSAIC_BWD_PROGRAMS else "triton"
 
@@ -568,10 +579,14 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if state_bwd not in STATE_BWD:
         raise ValueError(f"`state_bwd` must be one of {STATE_BWD}, got {state_bwd!r}")
     if state_bwd == "auto":
-        state_bwd = "triton" if target == "tpu" else default_state_bwd(B * H, C, K, V, io_dtype, bool(interpret))
+        state_bwd = "triton" if target == "tpu" else default_state_bwd(B * H, C, K, V, io_dtype, bool(interpret),
+                                                                           _on_hopper())
     elif state_bwd == "mosaic":
         if target != "gpu":
             raise ValueError(f"`state_bwd='mosaic'` is a GPU lowering; `target` is {target!r}")
+        if not interpret and jax.default_backend() == "gpu" and not _on_hopper():
+            raise ValueError("`state_bwd='mosaic'` needs a Hopper GPU (compute capability 9.x: wgmma, TMA) "
+                             "or interpret=True; use 'auto' or 'triton' on this GPU")
         if not _mosaic_fits(C, K, V):
             raise ValueError(f"`state_bwd='mosaic'` needs the padded key dim K (a multiple of 64, <= 256), value "
                              f"dim V (a multiple of 64) and `chunk_size` (16, 32 or a multiple of 64 up to 256) "

@@ -320,9 +320,9 @@ def test_mosaic_backward_state_pass_in_the_vjp(rule, dtype):
 
 
 def test_default_state_bwd_lowering():
-    """``default_state_bwd``: Mosaic GPU for compiled 16-bit runs with at least ``MOSAIC_BWD_PROGRAMS``
-    programs of 64 value columns and widths its tiles take, Triton otherwise; an explicit choice is
-    validated by name."""
+    """``default_state_bwd``: Mosaic GPU for compiled 16-bit runs on a Hopper GPU with at least
+    ``MOSAIC_BWD_PROGRAMS`` programs of 64 value columns and widths its tiles take, Triton otherwise
+    (here, on a machine without one, always Triton); an explicit choice is validated by name."""
     from kernels.delta import api
     bf16, n = jnp.bfloat16, api.MOSAIC_BWD_PROGRAMS
     assert api.default_state_bwd(128, 32, 128, 128, bf16, False) == "mosaic"      # (8, 2048) x 16 heads
@@ -332,6 +332,11 @@ def test_default_state_bwd_lowering():
     assert api.default_state_bwd(128, 32, 128, 128, jnp.float32, False) == "triton"
     assert api.default_state_bwd(128, 32, 128, 128, bf16, True) == "triton"       # interpreted
     assert api.default_state_bwd(128, 32, 32, 128, bf16, False) == "triton"       # K = 32
+    assert api.default_state_bwd(128, 32, 128, 128, bf16, False, hopper=False) == "triton"  # no wgmma / TMA
+    if not api._on_hopper():
+        big = jnp.zeros((2, 64, 64, 128), bf16)
+        s, _ = api._debug_spec(big, big, big, None, big[..., 0])
+        assert s.state_bwd == "triton"
     z = jnp.zeros((1, 64, 2, 32), bf16)
     with pytest.raises(ValueError, match="state_bwd"):
         kd.chunk_delta_rule(z, z, z, z[..., 0], state_bwd="wgmma")
