@@ -25,7 +25,10 @@ Correctness is read from the timed functions themselves: each fwd+bwd jit return
 benchmark shape (``check_at_bench_shape`` in the JSON, bf16 tolerance 1e-2). One jit per
 (rule, method, mode) keeps Triton compiles (tens of seconds each) to a minimum. ``--parts check`` adds a small-shape f32/bf16 check with resets and an initial
 state; ``--parts stages`` times the five Pallas kernels one by one; ``--parts mosaic`` times the
-Mosaic GPU state passes (``kernels.delta.mosaic_gpu``) beside the Triton ones and compares them.
+Mosaic GPU state passes (``kernels.delta.mosaic_gpu``) beside the Triton ones and compares them;
+``--parts ab --ab KNOBS`` times the Pallas kernels with ``--pallas_tuning`` (A) against the same with
+``KNOBS`` changed (B) in one process, in alternating rounds, and reports each round's ratio B / A
+(paired: drift of the GPU's clocks between processes does not enter it).
 
 Usage (on the device; fla-core installed with ``--target`` from a carried wheel)::
 
@@ -33,6 +36,7 @@ Usage (on the device; fla-core installed with ``--target`` from a carried wheel)
     python -m experiments.kernel_bench --parts check,stages          # subsets
     python -m experiments.kernel_bench --rules gdn,kdab --pallas_chunk 64   # a subset, 64-token chunks
     python -m experiments.kernel_bench --methods pallas,fla --fla_cache fla_cache   # fla's autotuning kept
+    python -m experiments.kernel_bench --parts ab --ab fuse_output=0 --rules delta,gdn   # a knob, paired
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` under ``--out``.
 """
@@ -60,7 +64,8 @@ from experiments import common as C  # noqa: E402
 SHAPES = ((2, 8192), (8, 2048), (1, 32768))
 H, D, CHUNK = 16, 128, 64
 RULES = ("kda", "kdab", "delta", "gdn")
-PARTS = ("roofline", "check", "bench", "stages", "mosaic")
+PARTS = ("roofline", "check", "bench", "stages", "mosaic", "ab")
+AB_ROUNDS = 5  # --parts ab: alternating rounds of A and B
 GATE_BOUND = -5.0  # kdab: K3's bounded gate
 PALLAS_TUNING = {}  # --pallas_tuning, e.g. {"bv": 32, "num_warps": 8, "num_warps_state": 8}
 WARPS = tuple(int(w) for w in os.environ.get("BENCH_WARPS", "4").split(","))
@@ -166,12 +171,13 @@ def make_inputs(B, T, dtype=jnp.bfloat16, seed=0, gate_scale=1.0):
     return dict(q=c(q), k=c(k), v=c(v), g=g, gs=gs, beta=c(beta), do=c(do))
 
 
-def rule_fn(rule, backend, chunk_size=None, **kw):
+def rule_fn(rule, backend, chunk_size=None, tuning=None, **kw):
+    """``tuning``: the Pallas launch knobs (default ``--pallas_tuning``)."""
     from lineage_jax import memory as M
 
     if backend == "pallas":
         from kernels import delta as kd
-        kw = dict(kw, chunk_size=chunk_size, **PALLAS_TUNING)
+        kw = dict(kw, chunk_size=chunk_size, **(PALLAS_TUNING if tuning is None else tuning))
         if rule == "kda":
             return lambda q, k, v, g, gs, beta: kd.chunk_kda(q, k, v, g, beta, **kw)
         if rule == "kdab":
@@ -447,6 +453,50 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
         del x, a6
 
 
+def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=lambda: False):
+    """Pallas with ``--pallas_tuning`` (A) against the same with ``knobs_b`` changed (B), paired: per
+    (shape, rule, mode) both are compiled, then timed in ``AB_ROUNDS`` alternating rounds of ``reps``
+    calls (A B, B A, ...); the row keeps each round's medians and the median of the rounds' B / A."""
+    tun_a = dict(PALLAS_TUNING)
+    tun_b = dict(PALLAS_TUNING, **knobs_b)
+    rows = results.setdefault("ab", [])
+    for (B, T) in shapes:
+        if over():
+            log("budget reached: skipping ab", (B, T))
+            continue
+        x = make_inputs(B, T)
+        a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
+        for rule in rules:
+            for mode in ("fwdbwd", "fwd"):
+                fs, args = [], a6 if mode == "fwd" else (*a6, x["do"])
+                for tun in (tun_a, tun_b):
+                    fn = rule_fn(rule, "pallas", chunk_size=chunk_size, tuning=tun)
+                    f = jax_fwd(fn) if mode == "fwd" else jax_fwdbwd(fn)
+                    jax.block_until_ready(f(*args))  # compile
+                    fs.append(f)
+                ta, tb = [], []
+                for i in range(AB_ROUNDS):
+                    order = (0, 1) if i % 2 == 0 else (1, 0)
+                    for j in order:
+                        (ta if j == 0 else tb).append(time_jax(fs[j], *args, reps=reps))
+                ratios = [b / a for a, b in zip(ta, tb)]
+                row = dict(B=B, T=T, rule=rule, mode=mode, a=tun_a, b=tun_b, a_ms=ta, b_ms=tb,
+                           a_median=statistics.median(ta), b_median=statistics.median(tb),
+                           b_over_a=statistics.median(ratios), b_over_a_range=[min(ratios), max(ratios)])
+                rows.append(row)
+                log("ab", B, T, rule, mode, f"A {row['a_median']:.3f} ms  B {row['b_median']:.3f} ms  "
+                    f"B/A {row['b_over_a']:.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
+
+
+def ab_table(results) -> str:
+    lines = ["| (B, T) | rule | mode | A ms | B ms | B / A (median of rounds) | range |", "|---|---|---|---|---|---|---|"]
+    for r in results.get("ab", []):
+        lines.append(f"| ({r['B']}, {r['T']}) | {r['rule']} | {r['mode']} | {r['a_median']:.2f} | "
+                     f"{r['b_median']:.2f} | {r['b_over_a']:.3f} | {r['b_over_a_range'][0]:.3f}–"
+                     f"{r['b_over_a_range'][1]:.3f} |")
+    return "\n".join(lines)
+
+
 def summarize(results):
     roof = results.get("roofline", {})
     peak_f = roof.get("bf16_matmul_tflops", 790.0) * 1e12
@@ -509,6 +559,33 @@ def plot(results, path):
     fig.savefig(path, dpi=120)
 
 
+def parse_tuning(ap, flag, text) -> dict:
+    """``knob=value,...`` of the Pallas launch knobs, validated (``ap.error`` naming ``flag``)."""
+    from kernels.delta.api import ANCHORED_BWD, INVERSES, STATE_BWD
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, val = item.partition("=")
+        if not sep:
+            ap.error(f"{flag}: expected knob=value items, got {item!r}")
+        choices = {"anchored_bwd": ANCHORED_BWD, "state_bwd": STATE_BWD, "inverse": INVERSES}
+        if key in choices:
+            if val not in choices[key]:
+                ap.error(f"{flag}: {key} must be one of {choices[key]}, got {val!r}")
+            out[key] = val
+        elif key == "fuse_output":
+            if val not in ("0", "1"):
+                ap.error(f"{flag}: fuse_output must be 0 or 1, got {val!r}")
+            out[key] = val == "1"
+        elif key in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores"):
+            try:
+                out[key] = int(val)
+            except ValueError:
+                ap.error(f"{flag}: {key} must be an integer, got {val!r}")
+        else:
+            ap.error(f"{flag}: unknown knob {key!r}")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
@@ -523,6 +600,8 @@ def main(argv=None):
                          "autotuning results kept in memory only)")
     ap.add_argument("--rules", default=",".join(RULES), help="comma-separated subset of " + ",".join(RULES))
     ap.add_argument("--pallas_chunk", type=int, default=None, help="Pallas chunk size (default: the kernels' own)")
+    ap.add_argument("--ab", default="", metavar="KNOBS",
+                    help="--parts ab: the launch knobs B changes against --pallas_tuning (A), e.g. fuse_output=0")
     ap.add_argument("--pallas_tuning", default="",
                     help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores,"
                          "fuse_output=0,state_bwd=triton,inverse=loop")
@@ -532,33 +611,10 @@ def main(argv=None):
         if r not in RULES:
             ap.error(f"--rules: unknown rule {r!r}")
     pc = args.pallas_chunk
-    for item in filter(None, args.pallas_tuning.split(",")):
-        key, sep, val = item.partition("=")
-        if not sep:
-            ap.error(f"--pallas_tuning: expected knob=value items, got {item!r}")
-        if key not in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "anchored_bwd",
-                       "fuse_output", "state_bwd", "inverse"):
-            ap.error(f"--pallas_tuning: unknown knob {key!r}")
-        if key == "anchored_bwd":
-            from kernels.delta.api import ANCHORED_BWD
-            if val not in ANCHORED_BWD:
-                ap.error(f"--pallas_tuning: anchored_bwd must be one of {ANCHORED_BWD}, got {val!r}")
-            PALLAS_TUNING[key] = val
-        elif key in ("state_bwd", "inverse"):
-            from kernels.delta.api import INVERSES, STATE_BWD
-            allowed = STATE_BWD if key == "state_bwd" else INVERSES
-            if val not in allowed:
-                ap.error(f"--pallas_tuning: {key} must be one of {allowed}, got {val!r}")
-            PALLAS_TUNING[key] = val
-        elif key == "fuse_output":
-            if val not in ("0", "1"):
-                ap.error(f"--pallas_tuning: fuse_output must be 0 or 1, got {val!r}")
-            PALLAS_TUNING[key] = val == "1"
-        else:
-            try:
-                PALLAS_TUNING[key] = int(val)
-            except ValueError:
-                ap.error(f"--pallas_tuning: {key} must be an integer, got {val!r}")
+    PALLAS_TUNING.update(parse_tuning(ap, "--pallas_tuning", args.pallas_tuning))
+    knobs_b = parse_tuning(ap, "--ab", args.ab)
+    if "ab" in args.parts.split(",") and not knobs_b:
+        ap.error("--parts ab needs --ab knob=value[,knob=value]: the B side's changed launch knobs")
     if args.fla_cache:
         use_fla_cache(args.fla_cache)
     t_start = time.time()
@@ -575,7 +631,7 @@ def main(argv=None):
             commit = ""
     results = {"date": datetime.date.today().isoformat(), "commit": commit,
                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "H": H, "D": D,
-               "chunk": CHUNK, "pallas_chunk": pc, "pallas_tuning": dict(PALLAS_TUNING), "rules": rules,
+               "chunk": CHUNK, "pallas_chunk": pc, "pallas_tuning": dict(PALLAS_TUNING), "ab_knobs": knobs_b, "rules": rules,
                "reps": args.reps}
     path = os.path.join(args.out, "kernel_bench.json")
 
@@ -608,6 +664,11 @@ def main(argv=None):
         save()
     if "mosaic" in parts and not over():
         part_mosaic(results, shapes, reps)
+        save()
+    if "ab" in parts:
+        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over)
+        results["ab_table"] = ab_table(results)
+        log(results["ab_table"])
         save()
     if "bench" in parts:
         for shape in shapes[1:]:

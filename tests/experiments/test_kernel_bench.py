@@ -53,3 +53,28 @@ def test_fla_cache_points_triton_at_the_directory(tmp_path, monkeypatch):
     import os
     assert d.is_dir() and os.environ["TRITON_CACHE_DIR"] == str(d)
     assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+
+
+def test_ab_times_both_sides_in_alternating_rounds(tiny, monkeypatch):
+    """``--parts ab``: A (``--pallas_tuning``) and B (A with the ``--ab`` knobs) each compiled once and
+    timed in ``AB_ROUNDS`` alternating rounds; the row keeps both sides' launch knobs and each round."""
+    monkeypatch.setattr(kb, "AB_ROUNDS", 2)
+    monkeypatch.setattr(kb, "PALLAS_TUNING", {"inverse": "loop"})
+    res = {}
+    kb.part_ab(res, [(1, 64)], 1, {"fuse_output": False}, rules=("delta",), chunk_size=32)
+    assert [(r["rule"], r["mode"]) for r in res["ab"]] == [("delta", "fwdbwd"), ("delta", "fwd")]
+    for r in res["ab"]:
+        assert r["a"] == {"inverse": "loop"} and r["b"] == {"inverse": "loop", "fuse_output": False}
+        assert len(r["a_ms"]) == len(r["b_ms"]) == 2 and all(t > 0 for t in r["a_ms"] + r["b_ms"])
+        lo, hi = r["b_over_a_range"]
+        assert lo <= r["b_over_a"] <= hi
+    assert kb.ab_table(res).count("| (1, 64) | delta |") == 2
+
+
+@pytest.mark.parametrize("argv, message", [(["--parts", "ab"], "--parts ab needs --ab"),
+                                           (["--parts", "ab", "--ab", "inverse=neumann"], "--ab: inverse must be"),
+                                           (["--ab", "fuse_output=2"], "--ab: fuse_output must be 0 or 1")])
+def test_bad_ab_flags_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        kb.main(argv + ["--out", "unused"])
+    assert message in capsys.readouterr().err
