@@ -531,7 +531,7 @@ def _check_gate_bound(g, gate, bound):
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, num_stages_state=None, state_dtype=None,
-             anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto", inverse="blocks"):
+             anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto", inverse="loop"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     gate_bound = _check_gate_bound(g, gate, gate_lower_bound)
     if inverse not in INVERSES:

@@ -7,10 +7,10 @@ uses only what lowers everywhere: static ``ref[pl.ds(..)]`` loads and stores,
 fp32 accumulation. There is no cumsum, no transpose, no triangular solve and no
 value slicing: a prefix sum is a loop of row adds (gates) or a matmul with a 0/1
 triangle (their gradient), a transpose is a ``dot_general`` contraction or a masked
-sum against an identity, and the solve inverts its 16×16 diagonal tiles by block
-merges (:func:`unit_lower_inverse_t`) and joins the tiles by matmuls. The 16-step loops
-(per-channel diagonal tiles) are ``lax.fori_loop`` on GPU/CPU (Triton compile time) and
-Python-unrolled on TPU (``Cfg.unroll``).
+sum against an identity, and the solve is forward substitution on 16×16 diagonal
+tiles (or block merges: :func:`unit_lower_inverse_t`) joined by matmuls. The 16-step loops
+are ``lax.fori_loop`` on GPU/CPU (Triton compile time) and Python-unrolled on TPU
+(``Cfg.unroll``).
 
 Notation for one chunk of ``C`` tokens split into ``nb = C/16`` tiles ``I``:
 
@@ -78,8 +78,8 @@ class Cfg:
     gate_bound: Optional[float] = None  # "channel" only: every gate >= gate_bound (>= -8): anchored diagonal tiles
     anchor_when_safe: bool = False  # "channel", exact gates: anchor each diagonal tile whose gates allow it
                                     # (a per-tile branch, Chunk.anchor_safe), the 16-step loop elsewhere
-    inverse: str = "blocks"  # the diagonal tiles' (I + A)⁻¹: "blocks" (four block merges, matmuls) or
-                             # "loop" (16-step forward substitution); see unit_lower_inverse_t
+    inverse: str = "loop"  # the diagonal tiles' (I + A)⁻¹: "loop" (16-step forward substitution) or
+                           # "blocks" (four block merges, matmuls); see unit_lower_inverse_t
 
     @property
     def nb(self) -> int:
@@ -221,7 +221,7 @@ def loop(unroll: bool, lo: int, hi: int, body, carry):
 INVERSES = ("blocks", "loop")
 
 
-def unit_lower_inverse_t(a, unroll=False, method="blocks", precision=BF16X6):
+def unit_lower_inverse_t(a, unroll=False, method="loop", precision=BF16X6):
     """``(I + a)⁻ᵀ`` for strictly lower ``a`` ``[n, n]`` (``n`` a power of two), f32.
 
     ``"blocks"``: recursive doubling of the diagonal blocks. With ``T`` the inverse of the

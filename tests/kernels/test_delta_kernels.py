@@ -219,10 +219,10 @@ def test_forward_alone_matches_the_reference(target, fuse):
         kd.chunk_kda(q, k, v, g, beta, target=target, interpret=True, fuse_output=1)
 
 
-def test_forward_substitution_inverse_on_gpu_flavour():
-    """``inverse="loop"``: the diagonal tiles' ``(I + A)⁻¹`` by forward substitution instead of the
-    block merges (the default, tested above) — the same forward, final state and gradients."""
-    check("kda", make_inputs(0), True, 1e-4, target="gpu", tuning=(("inverse", "loop"),))
+def test_block_merge_inverse_on_gpu_flavour():
+    """``inverse="blocks"``: the diagonal tiles' ``(I + A)⁻¹`` by block merges instead of forward
+    substitution (the default, tested above) — the same forward, final state and gradients."""
+    check("kda", make_inputs(0), True, 1e-4, target="gpu", tuning=(("inverse", "blocks"),))
     with pytest.raises(ValueError, match="inverse"):
         run("delta", "kernels", make_inputs(0), True, tuning=(("inverse", "neumann"),))
 
