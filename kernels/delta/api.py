@@ -86,11 +86,8 @@ STATE_STAGES = 3
 STATE_PROGRAMS = 128  # default_bv: fewest programs a state pass should launch before narrowing bv to 16
 RESIDUALS = "delta_rule_residuals"  # checkpoint_name of the forward kernels' outputs kept for the backward
 # GPU backward state pass: the Triton loop or the Mosaic GPU kernel (:mod:`kernels.delta.mosaic_gpu`: TMA
-# ring, wgmma with dS as the accumulator, one warpgroup per 64 value columns). "auto" takes Mosaic GPU
-# when it runs compiled on 16-bit inputs that its tiles take and launches at least MOSAIC_BWD_PROGRAMS
-# programs. Whole fwd+bwd on one H200 (bf16, H 16, D 128, ms, Mosaic / Triton backward state pass):
-# (8, 2048), 256 programs: DeltaNet 2.58 / 2.74, GDN 3.44 / 3.60, KDA 4.34 / 4.56; (2, 8192), 64
-# programs: 3.21 / 2.87, 3.86 / 3.63, 4.68 / 4.55 (docs/benchmarks.md).
+# ring, wgmma with dS as the accumulator, one warpgroup per 64 value columns). "auto": default_state_bwd,
+# with the threshold below (the measurements behind it: this module's docstring).
 STATE_BWD = ("auto", "triton", "mosaic")
 MOSAIC_BWD_PROGRAMS = 128
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
@@ -463,8 +460,15 @@ def default_bv(BH: int, V: int) -> int:
 
 
 def _mosaic_fits(C, K, V) -> bool:
-    """The tiles :mod:`kernels.delta.mosaic_gpu`'s passes take (64-wide value blocks)."""
-    return K % 64 == 0 and K <= 256 and V % 64 == 0 and (C in (16, 32) or (C % 64 == 0 and C <= 256))
+    """Whether :mod:`kernels.delta.mosaic_gpu`'s passes take these widths and chunk (64-wide value
+    blocks): its own argument checks, asked without raising."""
+    from . import mosaic_gpu
+    try:
+        mosaic_gpu._check_widths(K, V, "V", 64)
+        mosaic_gpu._check_chunk(C, C)
+    except ValueError:
+        return False
+    return True
 
 
 def _on_hopper() -> bool:
@@ -603,8 +607,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              num_stages_state=STATE_STAGES if num_stages_state is None else int(num_stages_state),
              num_warps_scores=(default_warps_scores(cfg.gate, num_warps) if num_warps_scores is None
                                else int(num_warps_scores)),
-             anchored_bwd=anchored_bwd, fuse_output=fuse_output,
-             state_bwd="triton" if target == "tpu" else state_bwd)
+             anchored_bwd=anchored_bwd, fuse_output=fuse_output, state_bwd=state_bwd)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)
