@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from .tiles import (
     F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, get_col, get_diag, iota, load_rows, mm, prefix_sum, row_to_col,
-    scores, sm, solve_backward, solve_forward, store_rows, ut_system,
+    scores, sm, solve_backward, solve_forward, store_rows, ut_matrix, ut_system,
 )
 
 
@@ -80,7 +80,9 @@ def intra_fwd(cfg: Cfg, *refs):
         for J in range(nb):
             tile = M[I][J] if J <= I else jnp.zeros((SUB, SUB), F32)
             m_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = tile.astype(m_ref.dtype)
-    _store_lower(kk_ref, KK)  # f32: the backward's UT solve starts from these, never from k and g again
+    # f32: the backward's UT solve starts from these, never from k and g again; the diagonal tiles'
+    # inverses ride in their upper triangles (KK_II is strictly lower, T_IIᵀ unit upper: no extra bytes)
+    _store_lower(kk_ref, KK, upper=tT)
     K = dend_ref.shape[0]
     if ch.d_end is None:
         d = jnp.ones((K, 1), F32)
@@ -242,8 +244,8 @@ def _bwd_solve(cfg: Cfg, ch: Chunk, r, kk_ref, dut_ref, ut_ref, dv_ref):
     ``ch`` serves only the diagonal tiles' causal and document masks."""
     nb = cfg.nb
     beta = _tiles(r["beta"], nb)
-    KK = _load_lower(kk_ref, nb)
-    A, tT = ut_system(cfg, ch, KK, beta)
+    KK, tT = _load_lower(kk_ref, nb, upper=True)
+    A = ut_matrix(cfg, KK, beta)
     dRu = solve_backward(cfg, A, tT, _tiles(dut_ref, nb))
     ut = Lazy(lambda J: load_rows(ut_ref, J * SUB, SUB))
     dKK = [dict() for _ in range(nb)]
@@ -396,18 +398,31 @@ def _store_tiles(ref, tiles, scale=None):
         store_rows(ref, I * SUB, x if scale is None else x * scale)
 
 
-def _store_lower(ref, T):
-    """Lower-triangular tiles ``T[I][J]`` (``J <= I``) into ``ref [C, C]`` (zeros above)."""
+def _store_lower(ref, T, upper=None):
+    """Lower-triangular tiles ``T[I][J]`` (``J <= I``, diagonal tiles strictly lower) into ``ref [C, C]``
+    (zeros above); with ``upper`` (tiles ``[16, 16]``, upper triangular) the diagonal tile ``I`` holds
+    ``upper[I]`` on and above its diagonal."""
     nb = len(T)
+    r, c = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
     for I in range(nb):
         for J in range(nb):
             tile = T[I][J] if J <= I else jnp.zeros((SUB, SUB), F32)
+            if J == I and upper is not None:
+                tile = jnp.where(r > c, tile, upper[I])
             ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = tile.astype(ref.dtype)
 
 
-def _load_lower(ref, nb):
-    return [{J: ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)].astype(F32) for J in range(I + 1)}
-            for I in range(nb)]
+def _load_lower(ref, nb, upper=False):
+    """The tiles :func:`_store_lower` stored; with ``upper`` also the diagonal tiles' upper triangles
+    (``(lower, upper)``), the lower ones' diagonal tiles masked to their strict lower triangle."""
+    T = [{J: ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)].astype(F32) for J in range(I + 1)} for I in range(nb)]
+    if not upper:
+        return T
+    r, c = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
+    up = [jnp.where(r <= c, T[I][I], 0.0) for I in range(nb)]
+    for I in range(nb):
+        T[I][I] = jnp.where(r > c, T[I][I], 0.0)
+    return T, up
 
 
 def intra_bwd_solve(cfg: Cfg, *refs):

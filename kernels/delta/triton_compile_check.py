@@ -24,7 +24,7 @@ import time
 GATES = ("none", "gdn", "kda", "kda_bounded")
 
 
-def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None):
+def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering as L
@@ -52,7 +52,7 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
 
         def f(q, k, v, g, b, S, seg):
             kw = dict(initial_state=S, segment_ids=seg if docs else None, target="gpu", interpret=False,
-                      chunk_size=chunk_size)
+                      chunk_size=chunk_size, **({} if inverse is None else {"inverse": inverse}))
 
             def loss(q, k, v, g, b, S):
                 if gate == "kda":
@@ -134,6 +134,7 @@ def main(argv=None):
     ap.add_argument("--chunk_size", default=None, help="default (per target) or a comma-separated list")
     ap.add_argument("--num_warps", type=int, default=4)
     ap.add_argument("--anchored_bwd", default=None, help="kda_bounded: none | scores (default: the API's)")
+    ap.add_argument("--inverse", default=None, help="loop | blocks (default: the API's)")
     ap.add_argument("--keep_cache", action="store_true",
                     help="use Triton's cache (default: a fresh one, so that every compile is timed)")
     args = ap.parse_args(argv)
@@ -154,7 +155,8 @@ def main(argv=None):
             for chunk in chunks:
                 label = f"[{gate} {dtype} C={chunk or 'default'}{' docs' if args.docs else ''}] "
                 with tempfile.TemporaryDirectory() as d:
-                    n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk, args.anchored_bwd)
+                    n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk, args.anchored_bwd,
+                                   args.inverse)
                     print(f"{label}{n} kernels lowered", flush=True)
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,
