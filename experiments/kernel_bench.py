@@ -567,7 +567,7 @@ def parse_tuning(ap, flag, text) -> dict:
         key, sep, val = item.partition("=")
         if not sep:
             ap.error(f"{flag}: expected knob=value items, got {item!r}")
-        choices = {"anchored_bwd": ANCHORED_BWD, "state_bwd": STATE_BWD, "inverse": INVERSES}
+        choices = {"anchored_bwd": ANCHORED_BWD, "state_bwd": STATE_BWD, "inverse": ("auto",) + INVERSES}
         if key in choices:
             if val not in choices[key]:
                 ap.error(f"{flag}: {key} must be one of {choices[key]}, got {val!r}")

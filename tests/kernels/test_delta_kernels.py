@@ -244,6 +244,33 @@ def test_unit_lower_inverse(method):
         assert rel_err(f(jnp.asarray(a, jnp.float32)), want) <= 1e-6
 
 
+def test_block_merge_inverse_with_three_bf16_products():
+    """The block merges at ``BF16X3`` (what 16-bit inputs use on GPUs, whose solve runs at tf32):
+    within 5e-5 of LAPACK's inverse, relative to its largest entry, on the cases above."""
+    from kernels.delta.tiles import BF16X3, unit_lower_inverse_t
+    r = np.random.default_rng(10)
+    f = jax.jit(lambda a: unit_lower_inverse_t(a, False, "blocks", BF16X3),
+                compiler_options={"xla_allow_excess_precision": False} if jax.default_backend() == "gpu" else None)
+    for a in (np.tril(r.uniform(-1, 1, (16, 16)), -1), np.tril(np.ones((16, 16)), -1),
+              -0.9 * np.tril(np.ones((16, 16)), -1), np.tril(r.uniform(0, 2, (16, 16)), -1)):
+        want = np.linalg.inv(np.eye(16) + a).T
+        assert rel_err(f(jnp.asarray(a, jnp.float32)), want) <= 5e-5
+
+
+def test_default_inverse():
+    """``inverse="auto"``: block merges for 16-bit DeltaNet and Gated DeltaNet on GPUs, forward
+    substitution for KDA, float32 inputs and the TPU kernels; a call's resolved choice is in its spec."""
+    from kernels.delta.api import _debug_spec, default_inverse
+    assert default_inverse("gpu", "none", True) == default_inverse("gpu", "scalar", True) == "blocks"
+    assert default_inverse("gpu", "channel", True) == default_inverse("gpu", "none", False) == "loop"
+    assert default_inverse("tpu", "none", True) == "loop"
+    q = jnp.zeros((1, 32, 1, 16), jnp.bfloat16)
+    b = jnp.zeros((1, 32, 1), jnp.bfloat16)
+    assert _debug_spec(q, q, q, None, b)[0].cfg.inverse == "blocks"
+    assert _debug_spec(q, q, q, jnp.zeros((1, 32, 1, 16)), b)[0].cfg.inverse == "loop"
+    assert _debug_spec(q.astype(jnp.float32), q, q, None, b)[0].cfg.inverse == "loop"
+
+
 @pytest.mark.parametrize("gates", ["bound", "floor"])
 def test_bounded_anchored_backward_on_gpu_flavour(gates):
     """The launch knob ``anchored_bwd`` beside its default ("scores", tested above): the exact loop
