@@ -210,8 +210,10 @@ def _chunk_inputs(s: Spec, q, k, v, g, beta, doc):
 _dce_able = functools.partial(jax.jit, static_argnums=(0,))
 
 
-@_dce_able
-def _intra_fwd(s: Spec, q, k, v, g, beta, doc):
+@functools.partial(_dce_able, static_argnames=("residuals",))
+def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
+    """``(W, U, M, q_in, k_out, d_end, KK)``; ``residuals=False`` (an undifferentiated call): ``KK`` None.
+    In a ``jit`` of its own (``_dce_able``, above)."""
     C, K, V = s.cfg.chunk, s.K, s.V
     args, specs = _chunk_inputs(s, q, k, v, g, beta, doc)
     tk = _tok_spec(s, C, K, lambda b, h, n: (b, n, h, 0))
@@ -226,20 +228,23 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc):
                  jax.ShapeDtypeStruct(_tok_shape(s, K), sd),   # k_out
                  jax.ShapeDtypeStruct(_chk_shape(s, K, 1), F32),  # d_end
                  jax.ShapeDtypeStruct(_tok_shape(s, C), F32)]     # KK (decayed, strictly lower), for the backward
-    return _call(s, functools.partial(kn.intra_fwd, s.cfg), grid=(s.B, s.H, s.N), in_specs=specs,
-                 out_specs=[tk, tv, tc, tk, tk, cd, tc], out_shape=out_shape,
-                 semantics=("parallel", "parallel", "parallel"))(*args)
+    out_specs = [tk, tv, tc, tk, tk, cd, tc]
+    n_out = 7 if residuals else 6
+    res = _call(s, functools.partial(kn.intra_fwd, s.cfg, residuals=residuals), grid=(s.B, s.H, s.N),
+                in_specs=specs, out_specs=out_specs[:n_out], out_shape=out_shape[:n_out],
+                semantics=("parallel", "parallel", "parallel"))(*args)
+    return tuple(res) + ((None,) if not residuals else ())
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("out_dtype", "store_h"))
 def _state_fwd(s: Spec, W, U, kout, dend, h0, qin=None, M=None, *, out_dtype=None, store_h=True):
     """The forward state pass: ``(h, Ũ, final state)``; with ``qin`` and ``M`` it also takes the
-    output (the output kernel's work, fused: ``(h, Ũ, final state, o)`` in ``out_dtype``), and
-    ``store_h=False`` drops ``h`` (``None`` in its place: a forward no backward reads). In a ``jit``
-    of its own, as the forward kernels are (``_dce_able``)."""
+    output (the output kernel's work, fused: ``(h, Ũ, final state, o)`` in ``out_dtype``), and then
+    ``store_h=False`` drops ``h`` and ``Ũ`` (``None`` in their places: a forward no backward reads).
+    In a ``jit`` of its own, as the forward kernels are (``_dce_able``)."""
     C, K, V, N, bv = s.cfg.chunk, s.K, s.V, s.N, s.bv
     nv = V // bv
-    out = kn.StateOut(h=store_h, o=qin is not None)
+    out = kn.StateOut(h=store_h, o=qin is not None, ut=store_h or qin is None)
     out_shape = [jax.ShapeDtypeStruct(_chk_shape(s, K, V), s.state_dtype),  # h
                  jax.ShapeDtypeStruct(_tok_shape(s, V), s.store_dtype),     # Ũ
                  jax.ShapeDtypeStruct((s.B, s.H, K, V), F32),               # final state
@@ -266,7 +271,7 @@ def _state_fwd(s: Spec, W, U, kout, dend, h0, qin=None, M=None, *, out_dtype=Non
         body, grid = functools.partial(kn.state_fwd_grid, s.cfg, out), (s.B, s.H, nv, N)
         semantics, scratch = ("parallel", "parallel", "parallel", "arbitrary"), [pltpu.VMEM((K, bv), F32)]
     keep_in = [True] * 5 + [out.o] * 2
-    keep_out = [out.h, True, True, out.o]
+    keep_out = [out.h, out.ut, True, out.o]
     res = _call(s, body, grid=grid, in_specs=[x for x, k_ in zip(in_specs, keep_in) if k_],
                 out_specs=[x for x, k_ in zip(out_specs, keep_out) if k_],
                 out_shape=[x for x, k_ in zip(out_shape, keep_out) if k_],
@@ -370,12 +375,13 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
 # custom_vjp over the laid-out, padded arrays.
 # ---------------------------------------------------------------------------
 def _forward(s: Spec, q, k, v, g, beta, doc, h0):
-    """The undifferentiated call: no residuals, so the state pass stores no ``h`` when it takes the
-    output (``Spec.fuse_output``)."""
-    W, U, M, qin, kout, dend, KK = _intra_fwd(s, q, k, v, g, beta, doc)
+    """The undifferentiated call: no residuals — no ``KK``, and the state pass stores neither ``h`` nor
+    ``Ũ`` when it takes the output (``Spec.fuse_output``)."""
     if s.fuse_output:
+        W, U, M, qin, kout, dend, _ = _intra_fwd(s, q, k, v, g, beta, doc, residuals=False)
         _, _, sT, o = _state_fwd(s, W, U, kout, dend, h0, qin, M, out_dtype=q.dtype, store_h=False)
     else:
+        W, U, M, qin, kout, dend, _ = _intra_fwd(s, q, k, v, g, beta, doc, residuals=False)
         h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
         o = _output(s, qin, h, M, ut, q.dtype)
     return o, sT

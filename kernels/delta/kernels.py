@@ -59,9 +59,10 @@ def _tiles(ref, nb, scale=None):
 # ---------------------------------------------------------------------------
 # intra_fwd
 # ---------------------------------------------------------------------------
-def intra_fwd(cfg: Cfg, *refs):
+def intra_fwd(cfg: Cfg, *refs, residuals: bool = True):
+    """``residuals=False`` (a forward no backward reads): no ``KK`` output."""
     r, outs = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
-    w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, kk_ref = outs
+    w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, *kk = outs
     nb = cfg.nb
     ch = Chunk(cfg, r["g"], r["doc"])
     q = _tiles(r["q"], nb, cfg.scale)
@@ -82,7 +83,8 @@ def intra_fwd(cfg: Cfg, *refs):
             m_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = tile.astype(m_ref.dtype)
     # f32: the backward's UT solve starts from these, never from k and g again; the diagonal tiles'
     # inverses ride in their upper triangles (KK_II is strictly lower, T_IIᵀ unit upper: no extra bytes)
-    _store_lower(kk_ref, KK, upper=tT)
+    if residuals:
+        _store_lower(kk[0], KK, upper=tT)
     K = dend_ref.shape[0]
     if ch.d_end is None:
         d = jnp.ones((K, 1), F32)
@@ -105,8 +107,8 @@ def state_fwd_step(cfg: Cfg, S, w, u, ko, d):
 def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
     """GPU: one program per ``(b, h, value block)`` carries ``S`` through the chunks. With ``out.o``
     each chunk's output block ``O_n = q_in S_n + M Ũ_n`` is taken here, from the state in registers
-    (the output kernel's work, without writing and re-reading ``h``); without ``out.h`` no state is
-    stored (a forward that no backward reads)."""
+    (the output kernel's work, without writing and re-reading ``h``); without ``out.h`` and ``out.ut``
+    neither per-chunk states nor ``Ũ`` are stored (a forward that no backward reads)."""
     (w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref), (h_ref, ut_ref, st_ref, o_ref) = out.split(refs)
     C = cfg.chunk
 
@@ -117,7 +119,8 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
         S_n = S
         ut, S = state_fwd_step(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :],
                                dend_ref[n].astype(F32))
-        ut_ref[rows, :] = ut.astype(ut_ref.dtype)
+        if ut_ref is not None:
+            ut_ref[rows, :] = ut.astype(ut_ref.dtype)
         if o_ref is not None:
             o_ref[rows, :] = _chunk_output(cfg, qin_ref[rows, :], S_n, m_ref[rows, :], ut).astype(o_ref.dtype)
         return S
@@ -140,7 +143,8 @@ def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):
     if h_ref is not None:
         h_ref[...] = S_n.astype(h_ref.dtype)
     ut, S = state_fwd_step(cfg, S_n, w_ref[...], u_ref[...].astype(F32), ko_ref[...], dend_ref[...].astype(F32))
-    ut_ref[...] = ut.astype(ut_ref.dtype)
+    if ut_ref is not None:
+        ut_ref[...] = ut.astype(ut_ref.dtype)
     if o_ref is not None:
         o_ref[...] = _chunk_output(cfg, qin_ref[...], S_n, m_ref[...], ut).astype(o_ref.dtype)
     s_scr[...] = S
@@ -152,17 +156,20 @@ def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):
 
 @dataclasses.dataclass(frozen=True)
 class StateOut:
-    """What the forward state pass writes besides ``Ũ`` and the final state: ``h`` (the state before
-    every chunk, for the backward) and/or ``o`` (the output, fused: then ``q_in`` and ``M`` are
-    inputs too). Splits a kernel's refs into its 7 inputs and 4 outputs, ``None`` where absent."""
+    """What the forward state pass writes besides the final state: ``h`` (the state before every
+    chunk, for the backward), ``ut`` (``Ũ``: the backward's, or the output kernel's) and/or ``o``
+    (the output, fused: then ``q_in`` and ``M`` are inputs too). Splits a kernel's refs into its 7
+    inputs and 4 outputs, ``None`` where absent."""
 
     h: bool = True
     o: bool = False
+    ut: bool = True
 
     def split(self, refs):
         it = iter(refs)
         ins = [next(it) for _ in range(5)] + ([next(it), next(it)] if self.o else [None, None])
-        outs = [next(it) if self.h else None, next(it), next(it), next(it) if self.o else None]
+        outs = [next(it) if self.h else None, next(it) if self.ut else None, next(it),
+                next(it) if self.o else None]
         return ins, outs
 
 
