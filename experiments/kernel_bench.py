@@ -275,20 +275,21 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
                 f1 = jax.jit(lambda *a: api._intra_fwd(s, *a))
                 t1 = time_jax(f1, q, k, v, g, beta, doc)
                 W, U, M, qin, kout, dend, KK = f1(q, k, v, g, beta, doc)
+                qk = api._qk(s, q, k, qin, kout)  # DeltaNet, GDN: q, k and their row factors
                 f2 = jax.jit(lambda *a: api._state_fwd(s, *a))
-                t2 = time_jax(f2, W, U, kout, dend, h0)
-                h, ut, sT = f2(W, U, kout, dend, h0)
+                t2 = time_jax(f2, W, U, qk, dend, h0)
+                h, ut, sT = f2(W, U, qk, dend, h0)
                 f3 = jax.jit(lambda *a: api._output(s, *a, q.dtype))
-                t3 = time_jax(f3, qin, h, M, ut)
+                t3 = time_jax(f3, qk.arrays(s.store_dtype)[0], h, M, ut)
                 # the forward state pass taking the output (Spec.fuse_output): with h (training) and without
                 f23 = jax.jit(lambda *a: api._state_fwd(s, *a, out_dtype=q.dtype))
-                t23 = time_jax(f23, W, U, kout, dend, h0, qin, M)
+                t23 = time_jax(f23, W, U, qk, dend, h0, M)
                 f23n = jax.jit(lambda *a: api._state_fwd(s, *a, out_dtype=q.dtype, store_h=False))
-                t23n = time_jax(f23n, W, U, kout, dend, h0, qin, M)
+                t23n = time_jax(f23n, W, U, qk, dend, h0, M)
                 do = x["do"]
                 f4 = jax.jit(lambda *a: api._state_bwd(s, *a))
-                t4 = time_jax(f4, M, do, kout, qin, W, dend, sT)
-                dh, dut, dh0 = f4(M, do, kout, qin, W, dend, sT)
+                t4 = time_jax(f4, M, do, qk, W, dend, sT)
+                dh, dut, dh0 = f4(M, do, qk, W, dend, sT)
                 f5 = jax.jit(lambda *a: api._intra_bwd(s, *a))
                 t5 = time_jax(f5, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh)
                 r = {"intra_fwd": t1, "state_fwd": t2, "output": t3, "state_fwd_output": t23,
@@ -322,9 +323,9 @@ def part_mosaic(results, shapes, reps):
             s, _ = api._debug_spec(z, z, z, None, z[..., 0])
             it = s.interpret  # the CPU: both in their interpreters
             fns = {"mosaic fwd": jax.jit(lambda: mg.state_fwd(W, U, ko, d, h0, chunk=C, interpret=it)),
-                   "triton fwd": jax.jit(lambda: api._state_fwd(s, W, U, ko, d, h0)),
+                   "triton fwd": jax.jit(lambda: api._state_fwd(s, W, U, api._QK(None, ko), d, h0)),
                    "mosaic bwd": jax.jit(lambda: mg.state_bwd(M, do, ko, qi, W, d, h0, chunk=C, interpret=it)),
-                   "triton bwd": jax.jit(lambda: api._state_bwd(s, M, do, ko, qi, W, d, h0))}
+                   "triton bwd": jax.jit(lambda: api._state_bwd(s, M, do, api._QK(qi, ko), W, d, h0))}
             res = {name: jax.block_until_ready(f()) for name, f in fns.items()}
 
             r_ = {f"{m}_ms": time_jax(f, reps=reps) for m, f in fns.items()}

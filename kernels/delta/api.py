@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -212,7 +212,9 @@ _dce_able = functools.partial(jax.jit, static_argnums=(0,))
 
 @functools.partial(_dce_able, static_argnames=("residuals",))
 def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
-    """``(W, U, M, q_in, k_out, d_end, KK)``; ``residuals=False`` (an undifferentiated call): ``KK`` None.
+    """``(W, U, M, q_in, k_out, d_end, KK)`` — for DeltaNet and scalar gates ``q_in`` and ``k_out`` are
+    their ``[T, 1]`` row factors ``ein``, ``eout`` (:class:`_QK`); ``residuals=False`` (an
+    undifferentiated call): ``KK`` None.
     In a ``jit`` of its own (``_dce_able``, above)."""
     C, K, V = s.cfg.chunk, s.K, s.V
     args, specs = _chunk_inputs(s, q, k, v, g, beta, doc)
@@ -221,14 +223,17 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
     tc = _tok_spec(s, C, C, lambda b, h, n: (b, n, h, 0))
     cd = _chk_spec(s, None, K, 1, lambda b, h, n: (b, n, h, 0))
     sd = s.store_dtype
+    qk_shape = (jax.ShapeDtypeStruct(_tok_shape(s, K), sd) if s.cfg.channel
+                else jax.ShapeDtypeStruct(_tok_shape(s, 1), F32))
+    tqk = tk if s.cfg.channel else _tok_spec(s, C, 1, lambda b, h, n: (b, n, h, 0))
     out_shape = [jax.ShapeDtypeStruct(_tok_shape(s, K), sd),   # W
                  jax.ShapeDtypeStruct(_tok_shape(s, V), sd),   # U
                  jax.ShapeDtypeStruct(_tok_shape(s, C), sd),   # M
-                 jax.ShapeDtypeStruct(_tok_shape(s, K), sd),   # q_in
-                 jax.ShapeDtypeStruct(_tok_shape(s, K), sd),   # k_out
+                 qk_shape,                                     # q_in (per-channel gates) or its row factors ein
+                 qk_shape,                                     # k_out, or eout
                  jax.ShapeDtypeStruct(_chk_shape(s, K, 1), F32),  # d_end
                  jax.ShapeDtypeStruct(_tok_shape(s, C), F32)]     # KK (decayed, strictly lower), for the backward
-    out_specs = [tk, tv, tc, tk, tk, cd, tc]
+    out_specs = [tk, tv, tc, tqk, tqk, cd, tc]
     n_out = 7 if residuals else 6
     res = _call(s, functools.partial(kn.intra_fwd, s.cfg, residuals=residuals), grid=(s.B, s.H, s.N),
                 in_specs=specs, out_specs=out_specs[:n_out], out_shape=out_shape[:n_out],
@@ -236,15 +241,39 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
     return tuple(res) + ((None,) if not residuals else ())
 
 
+class _QK(NamedTuple):
+    """What the state passes read as ``q_in = q ⊙ E_in`` and ``k_out = k ⊙ E_out``: the arrays
+    themselves (per-channel gates: ``[T, K]`` factors), or ``q`` and ``k`` with the ``[T, 1]`` row
+    factors ``ein`` (``scale`` folded in) and ``eout`` (DeltaNet, scalar gates: the intra-chunk kernel
+    writes 8 bytes per token·head instead of ``2·K`` values; the state passes multiply as they load,
+    :class:`kernels.delta.kernels.RowScaled`)."""
+
+    qin: Any
+    kout: Any
+    ein: Any = None
+    eout: Any = None
+
+    @property
+    def scaled(self) -> bool:
+        return self.eout is not None
+
+    def arrays(self, dtype):
+        """``(q_in, k_out)`` as arrays in ``dtype`` (for the kernels that take them whole)."""
+        if not self.scaled:
+            return self.qin, self.kout
+        return ((self.qin.astype(F32) * self.ein).astype(dtype), (self.kout.astype(F32) * self.eout).astype(dtype))
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("out_dtype", "store_h"))
-def _state_fwd(s: Spec, W, U, kout, dend, h0, qin=None, M=None, *, out_dtype=None, store_h=True):
-    """The forward state pass: ``(h, Ũ, final state)``; with ``qin`` and ``M`` it also takes the
-    output (the output kernel's work, fused: ``(h, Ũ, final state, o)`` in ``out_dtype``), and then
+def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, store_h=True):
+    """The forward state pass: ``(h, Ũ, final state)``; with ``M`` it also takes the output (the
+    output kernel's work, fused: ``(h, Ũ, final state, o)`` in ``out_dtype``), and then
     ``store_h=False`` drops ``h`` and ``Ũ`` (``None`` in their places: a forward no backward reads).
     In a ``jit`` of its own, as the forward kernels are (``_dce_able``)."""
     C, K, V, N, bv = s.cfg.chunk, s.K, s.V, s.N, s.bv
     nv = V // bv
-    out = kn.StateOut(h=store_h, o=qin is not None, ut=store_h or qin is None)
+    out = kn.StateOut(h=store_h, o=M is not None, ut=store_h or M is None, scaled=qk.scaled)
+    kout, qin = qk.kout, qk.qin
     out_shape = [jax.ShapeDtypeStruct(_chk_shape(s, K, V), s.state_dtype),  # h
                  jax.ShapeDtypeStruct(_tok_shape(s, V), s.store_dtype),     # Ũ
                  jax.ShapeDtypeStruct((s.B, s.H, K, V), F32),               # final state
@@ -259,6 +288,7 @@ def _state_fwd(s: Spec, W, U, kout, dend, h0, qin=None, M=None, *, out_dtype=Non
         st = _state_spec(s, bv, lambda b, h, j: (b, h, j))
         fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
         in_specs, out_specs = [fk, fv, fk, fd, st, fk, fc], [fh, fv, st, fv]
+        f1 = _tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))
         body, grid, semantics, scratch = functools.partial(kn.state_fwd_loop, s.cfg, N, out), (s.B, s.H, nv), None, ()
     else:
         ck = _tok_spec(s, C, K, lambda b, h, j, n: (b, n, h, 0))
@@ -268,9 +298,13 @@ def _state_fwd(s: Spec, W, U, kout, dend, h0, qin=None, M=None, *, out_dtype=Non
         st = _state_spec(s, bv, lambda b, h, j, n: (b, h, j))
         ch = _chk_spec(s, None, K, bv, lambda b, h, j, n: (b, n, h, j))
         in_specs, out_specs = [ck, cv, ck, cd, st, ck, cc], [ch, cv, st, cv]
+        f1 = _tok_spec(s, C, 1, lambda b, h, j, n: (b, n, h, 0))
         body, grid = functools.partial(kn.state_fwd_grid, s.cfg, out), (s.B, s.H, nv, N)
         semantics, scratch = ("parallel", "parallel", "parallel", "arbitrary"), [pltpu.VMEM((K, bv), F32)]
     keep_in = [True] * 5 + [out.o] * 2
+    if qk.scaled:  # the row factors ein (read with q, for the output) and eout (with k)
+        args = args + ([qk.ein] if out.o else []) + [qk.eout]
+        in_specs, keep_in = in_specs + [f1, f1], keep_in + [out.o, True]
     keep_out = [out.h, out.ut, True, out.o]
     res = _call(s, body, grid=grid, in_specs=[x for x, k_ in zip(in_specs, keep_in) if k_],
                 out_specs=[x for x, k_ in zip(out_specs, keep_out) if k_],
@@ -293,12 +327,14 @@ def _output(s: Spec, qin, h, M, ut, out_dtype):
                  semantics=("parallel", "parallel", "parallel"))(qin, h, M, ut)
 
 
-def _state_bwd(s: Spec, M, do, kout, qin, W, dend, dsT):
+def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT):
     C, K, V, N, bv = s.cfg.chunk, s.K, s.V, s.N, s.bv
     if s.state_bwd == "mosaic":
         from . import mosaic_gpu
+        qin, kout = qk.arrays(s.store_dtype)
         return mosaic_gpu.state_bwd(M, do, kout, qin, W, dend, dsT, chunk=C, state_dtype=s.state_dtype,
                                     interpret=s.interpret, block_v=64)
+    args = [M, do, qk.kout, qk.qin, W, dend, dsT] + ([qk.ein, qk.eout] if qk.scaled else [])
     nv = V // bv
     out_shape = [jax.ShapeDtypeStruct(_chk_shape(s, K, V), s.state_dtype),  # dh (grad of state after chunk n)
                  jax.ShapeDtypeStruct(_tok_shape(s, V), s.store_dtype),     # dŨ
@@ -311,9 +347,10 @@ def _state_bwd(s: Spec, M, do, kout, qin, W, dend, dsT):
         fd = _chk_spec(s, N, K, 1, lambda b, h, j: (b, 0, h, 0))
         st = _state_spec(s, bv, lambda b, h, j: (b, h, j))
         fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
-        return _call(s, functools.partial(kn.state_bwd_loop, s.cfg, N), grid=(s.B, s.H, nv),
-                     in_specs=[fc, fv, fk, fk, fk, fd, st], out_specs=[fh, fv, st], out_shape=out_shape,
-                     semantics=None, state=True)(M, do, kout, qin, W, dend, dsT)
+        f1 = [_tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))] * (2 if qk.scaled else 0)
+        return _call(s, functools.partial(kn.state_bwd_loop, s.cfg, N, qk.scaled), grid=(s.B, s.H, nv),
+                     in_specs=[fc, fv, fk, fk, fk, fd, st] + f1, out_specs=[fh, fv, st], out_shape=out_shape,
+                     semantics=None, state=True)(*args)
     rev = lambda n: N - 1 - n  # noqa: E731
     ck = _tok_spec(s, C, K, lambda b, h, j, n: (b, rev(n), h, 0))
     cc = _tok_spec(s, C, C, lambda b, h, j, n: (b, rev(n), h, 0))
@@ -321,10 +358,11 @@ def _state_bwd(s: Spec, M, do, kout, qin, W, dend, dsT):
     cd = _chk_spec(s, None, K, 1, lambda b, h, j, n: (b, rev(n), h, 0))
     st = _state_spec(s, bv, lambda b, h, j, n: (b, h, j))
     ch = _chk_spec(s, None, K, bv, lambda b, h, j, n: (b, rev(n), h, j))
-    return _call(s, functools.partial(kn.state_bwd_grid, s.cfg), grid=(s.B, s.H, nv, N),
-                 in_specs=[cc, cv, ck, ck, ck, cd, st], out_specs=[ch, cv, st], out_shape=out_shape,
+    c1 = [_tok_spec(s, C, 1, lambda b, h, j, n: (b, rev(n), h, 0))] * (2 if qk.scaled else 0)
+    return _call(s, functools.partial(kn.state_bwd_grid, s.cfg, qk.scaled), grid=(s.B, s.H, nv, N),
+                 in_specs=[cc, cv, ck, ck, ck, cd, st] + c1, out_specs=[ch, cv, st], out_shape=out_shape,
                  semantics=("parallel", "parallel", "parallel", "arbitrary"),
-                 scratch=[pltpu.VMEM((K, bv), F32)])(M, do, kout, qin, W, dend, dsT)
+                 scratch=[pltpu.VMEM((K, bv), F32)])(*args)
 
 
 def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
@@ -374,16 +412,21 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
 # ---------------------------------------------------------------------------
 # custom_vjp over the laid-out, padded arrays.
 # ---------------------------------------------------------------------------
+def _qk(s: Spec, q, k, qin, kout) -> _QK:
+    """The state passes' ``q_in``/``k_out`` from the intra-chunk kernel's outputs (:class:`_QK`)."""
+    return _QK(qin, kout) if s.cfg.channel else _QK(q, k, qin, kout)
+
+
 def _forward(s: Spec, q, k, v, g, beta, doc, h0):
     """The undifferentiated call: no residuals — no ``KK``, and the state pass stores neither ``h`` nor
     ``Ũ`` when it takes the output (``Spec.fuse_output``)."""
+    W, U, M, qin, kout, dend, _ = _intra_fwd(s, q, k, v, g, beta, doc, residuals=False)
+    qk = _qk(s, q, k, qin, kout)
     if s.fuse_output:
-        W, U, M, qin, kout, dend, _ = _intra_fwd(s, q, k, v, g, beta, doc, residuals=False)
-        _, _, sT, o = _state_fwd(s, W, U, kout, dend, h0, qin, M, out_dtype=q.dtype, store_h=False)
+        _, _, sT, o = _state_fwd(s, W, U, qk, dend, h0, M, out_dtype=q.dtype, store_h=False)
     else:
-        W, U, M, qin, kout, dend, _ = _intra_fwd(s, q, k, v, g, beta, doc, residuals=False)
-        h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
-        o = _output(s, qin, h, M, ut, q.dtype)
+        h, ut, sT = _state_fwd(s, W, U, qk, dend, h0)
+        o = _output(s, qk.arrays(s.store_dtype)[0], h, M, ut, q.dtype)
     return o, sT
 
 
@@ -399,15 +442,15 @@ def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
     # too: a policy recomputes what it does not save, and ``o`` rebuilt from the unnamed values would
     # rerun the whole forward chain.
     W, U, M, qin, kout, dend, KK = _intra_fwd(s, q, k, v, g, beta, doc)
+    W, M, qin, kout, dend, KK = (checkpoint_name(a, RESIDUALS) for a in (W, M, qin, kout, dend, KK))
+    qk = _qk(s, q, k, qin, kout)
     if s.fuse_output:
-        W, M, qin, kout, dend = (checkpoint_name(a, RESIDUALS) for a in (W, M, qin, kout, dend))
-        h, ut, sT, o = _state_fwd(s, W, U, kout, dend, h0, qin, M, out_dtype=q.dtype)
-        KK, h, ut, o = (checkpoint_name(a, RESIDUALS) for a in (KK, h, ut, o))
+        h, ut, sT, o = _state_fwd(s, W, U, qk, dend, h0, M, out_dtype=q.dtype)
+        h, ut, o = (checkpoint_name(a, RESIDUALS) for a in (h, ut, o))
     else:
-        h, ut, sT = _state_fwd(s, W, U, kout, dend, h0)
-        W, M, qin, kout, dend, KK, h, ut = (checkpoint_name(a, RESIDUALS)
-                                            for a in (W, M, qin, kout, dend, KK, h, ut))
-        o = checkpoint_name(_output(s, qin, h, M, ut, q.dtype), RESIDUALS)
+        h, ut, sT = _state_fwd(s, W, U, qk, dend, h0)
+        h, ut = (checkpoint_name(a, RESIDUALS) for a in (h, ut))
+        o = checkpoint_name(_output(s, qk.arrays(s.store_dtype)[0], h, M, ut, q.dtype), RESIDUALS)
     return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut)  # U: not needed backward
 
 
@@ -415,7 +458,7 @@ def _chunked_bwd(s, res, cts):
     q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut = res
     do, dsT = cts
     do = do.astype(q.dtype)
-    dh, dut, dh0 = _state_bwd(s, M, do, kout, qin, W, dend, dsT.astype(F32))
+    dh, dut, dh0 = _state_bwd(s, M, do, _qk(s, q, k, qin, kout), W, dend, dsT.astype(F32))
     grads = _intra_bwd(s, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh)
     dq, dk, dv, dbeta = grads[:4]
     dg = grads[4] if g is not None else None

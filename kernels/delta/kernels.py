@@ -76,8 +76,13 @@ def intra_fwd(cfg: Cfg, *refs, residuals: bool = True):
     for I in range(nb):
         store_rows(u_ref, I * SUB, U[I])
         store_rows(w_ref, I * SUB, W[I])
-        store_rows(qin_ref, I * SUB, _mul(q[I], ch.Ein[I]))
-        store_rows(kout_ref, I * SUB, _mul(k[I], ch.Eout[I]))
+        if cfg.channel:
+            store_rows(qin_ref, I * SUB, _mul(q[I], ch.Ein[I]))
+            store_rows(kout_ref, I * SUB, _mul(k[I], ch.Eout[I]))
+        else:  # [16, 1] row factors: q_in = q ⊙ ein, k_out = k ⊙ eout, taken where they are read (RowScaled)
+            one = jnp.ones((SUB, 1), F32)
+            store_rows(qin_ref, I * SUB, _mul(one, ch.Ein[I]) * cfg.scale)
+            store_rows(kout_ref, I * SUB, _mul(one, ch.Eout[I]))
         for J in range(nb):
             tile = M[I][J] if J <= I else jnp.zeros((SUB, SUB), F32)
             m_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = tile.astype(m_ref.dtype)
@@ -98,6 +103,30 @@ def intra_fwd(cfg: Cfg, *refs, residuals: bool = True):
 # ---------------------------------------------------------------------------
 # state passes
 # ---------------------------------------------------------------------------
+class RowScaled:
+    """``ref[idx] ⊙ f_ref[idx]``: a token array read through its ``[rows, 1]`` row factors (``f_ref``
+    None: the ref itself). The state passes read ``q_in = q ⊙ ein`` and ``k_out = k ⊙ eout`` this way
+    for scalar gates and DeltaNet, so the intra-chunk kernel writes two f32 columns instead of two
+    ``[T, K]`` arrays."""
+
+    def __init__(self, ref, f_ref=None):
+        self.ref, self.f_ref = ref, f_ref
+
+    def __getitem__(self, idx):
+        x = self.ref[idx]
+        return x if self.f_ref is None else x.astype(F32) * self.f_ref[idx]
+
+
+def _scaled(refs, scaled: bool, qi: int, ko: int):
+    """``refs`` (a kernel's inputs) with ``refs[qi]`` and ``refs[ko]`` read through the two row-factor
+    refs that follow them at the end (``scaled``), which are dropped."""
+    if not scaled:
+        return list(refs)
+    *ins, ein, eout = refs
+    ins[qi], ins[ko] = RowScaled(ins[qi], ein), RowScaled(ins[ko], eout)
+    return ins
+
+
 def state_fwd_step(cfg: Cfg, S, w, u, ko, d):
     ut = u - mm(cfg, w, S)
     S = d * S + mm(cfg, ko, ut, ta=True)
@@ -109,7 +138,8 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
     each chunk's output block ``O_n = q_in S_n + M Ũ_n`` is taken here, from the state in registers
     (the output kernel's work, without writing and re-reading ``h``); without ``out.h`` and ``out.ut``
     neither per-chunk states nor ``Ũ`` are stored (a forward that no backward reads)."""
-    (w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref), (h_ref, ut_ref, st_ref, o_ref) = out.split(refs)
+    ins, (h_ref, ut_ref, st_ref, o_ref) = out.split(refs)
+    w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref = ins
     C = cfg.chunk
 
     def body(n, S):
@@ -131,7 +161,8 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
 def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):
     """TPU: the chunk axis is the last grid axis, the state lives in a VMEM scratch buffer; ``out`` as
     in :func:`state_fwd_loop`."""
-    (w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref), (h_ref, ut_ref, st_ref, o_ref) = out.split(refs[:-1])
+    ins, (h_ref, ut_ref, st_ref, o_ref) = out.split(refs[:-1])
+    w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref = ins
     s_scr = refs[-1]
     n = pl.program_id(3)
 
@@ -164,10 +195,17 @@ class StateOut:
     h: bool = True
     o: bool = False
     ut: bool = True
+    scaled: bool = False  # k_out (and q_in) arrive as k (q) and [T, 1] row factors eout (ein): RowScaled
 
     def split(self, refs):
         it = iter(refs)
         ins = [next(it) for _ in range(5)] + ([next(it), next(it)] if self.o else [None, None])
+        if self.scaled:
+            ein = next(it) if self.o else None
+            eout = next(it)
+            ins[2] = RowScaled(ins[2], eout)
+            if self.o:
+                ins[5] = RowScaled(ins[5], ein)
         outs = [next(it) if self.h else None, next(it) if self.ut else None, next(it),
                 next(it) if self.o else None]
         return ins, outs
@@ -179,8 +217,12 @@ def state_bwd_step(cfg: Cfg, dS, m, do, ko, qi, w, d):
     return dut, dS
 
 
-def state_bwd_loop(cfg: Cfg, n_chunks: int, m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref,
-                   dh_ref, dut_ref, dh0_ref):
+def state_bwd_loop(cfg: Cfg, n_chunks: int, scaled: bool, *refs):
+    """GPU: one program per ``(b, h, value block)`` carries ``dS`` back through the chunks; ``scaled``:
+    ``k_out`` and ``q_in`` arrive as ``k``, ``q`` and their row factors (:class:`RowScaled`)."""
+    n_in = 9 if scaled else 7
+    m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref = _scaled(refs[:n_in], scaled, 3, 2)
+    dh_ref, dut_ref, dh0_ref = refs[n_in:]
     C = cfg.chunk
 
     def body(i, dS):
@@ -195,8 +237,12 @@ def state_bwd_loop(cfg: Cfg, n_chunks: int, m_ref, do_ref, ko_ref, qi_ref, w_ref
     dh0_ref[...] = lax.fori_loop(0, n_chunks, body, dst_ref[...].astype(F32)).astype(dh0_ref.dtype)
 
 
-def state_bwd_grid(cfg: Cfg, m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref, dh_ref, dut_ref, dh0_ref,
-                   s_scr):
+def state_bwd_grid(cfg: Cfg, scaled: bool, *refs):
+    """TPU: the chunk axis is the last grid axis, ``dS`` lives in a VMEM scratch buffer; ``scaled`` as in
+    :func:`state_bwd_loop`."""
+    n_in = 9 if scaled else 7
+    m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref = _scaled(refs[:n_in], scaled, 3, 2)
+    dh_ref, dut_ref, dh0_ref, s_scr = refs[n_in:]
     i = pl.program_id(3)
 
     @pl.when(i == 0)

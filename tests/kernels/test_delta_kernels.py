@@ -205,16 +205,24 @@ def test_unfused_output_kernel_on_gpu_flavour():
     check("gdn", make_inputs(0), True, 1e-4, target="gpu", tuning=(("fuse_output", False),))
 
 
-@pytest.mark.parametrize("target,fuse", [("gpu", True), ("gpu", False), ("tpu", True)])
-def test_forward_alone_matches_the_reference(target, fuse):
+@pytest.mark.parametrize("target,fuse,rule", [("gpu", True, "kda"), ("gpu", False, "kda"), ("tpu", True, "kda"),
+                                              ("gpu", True, "gdn"), ("gpu", False, "delta"), ("tpu", True, "gdn")])
+def test_forward_alone_matches_the_reference(target, fuse, rule):
     """An undifferentiated call keeps no residuals: with the output fused, the state pass stores no
-    per-chunk state at all. Its output and final state equal the reference's."""
+    per-chunk state at all (and for DeltaNet and GDN reads q and k through their row factors). Its
+    output and final state equal the reference's."""
     x = make_inputs(5)
-    q, k, v, g, beta, S0, seg = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta", "S0", "seg"))
-    o1, s1 = jax.jit(lambda *a: kd.chunk_kda(*a, initial_state=S0, segment_ids=seg, target=target,
-                                             interpret=_interpret(target), fuse_output=fuse))(q, k, v, g, beta)
+    q, k, v, beta, S0, seg = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta", "S0", "seg"))
+    g = {"kda": jnp.asarray(x["g"]), "gdn": jnp.asarray(x["gs"]), "delta": None}[rule]
+    fn = {"kda": kd.chunk_kda, "gdn": kd.chunk_gated_delta_rule,
+          "delta": lambda q, k, v, g, beta, **kw: kd.chunk_delta_rule(q, k, v, beta, **kw)}[rule]
+    o1, s1 = jax.jit(lambda *a: fn(*a, initial_state=S0, segment_ids=seg, target=target,
+                                   interpret=_interpret(target), fuse_output=fuse))(q, k, v, g, beta)
     o0, s0 = kref.recurrent(q, k, v, beta, g, initial_state=S0, segment_ids=seg)
     assert rel_err(o1, o0) <= 1e-4 and rel_err(s1, s0) <= 1e-4
+    if rule != "kda":
+        return
+    g = jnp.asarray(x["g"])
     with pytest.raises(ValueError, match="fuse_output"):
         kd.chunk_kda(q, k, v, g, beta, target=target, interpret=True, fuse_output=1)
 

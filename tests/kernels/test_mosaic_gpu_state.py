@@ -101,7 +101,7 @@ def test_state_fwd_matches_triton_state_pass():
     v = jnp.zeros((B, N * C, H, V), jnp.bfloat16)
     spec, _ = kd._prepare(q, q, v, None, jnp.ones((B, N * C, H), jnp.bfloat16), gate=None, scale=None,
                           initial_state=None, segment_ids=None, chunk_size=C, target="gpu", interpret=INTERPRET)
-    want = kd._state_fwd(spec, W, U, kout, dend, h0)
+    want = kd._state_fwd(spec, W, U, kd._QK(None, kout), dend, h0)
     got = jax.jit(lambda *a: mg.state_fwd(*a, chunk=C, interpret=INTERPRET))(W, U, kout, dend, h0)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
