@@ -275,12 +275,12 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
                 f1 = jax.jit(lambda *a: api._intra_fwd(s, *a))
                 t1 = time_jax(f1, q, k, v, g, beta, doc)
                 W, U, M, qin, kout, dend, KK = f1(q, k, v, g, beta, doc)
-                qk = api._qk(s, q, k, qin, kout)  # DeltaNet, GDN: q, k and their row factors
+                qk = api._qk(s, q, k, qin, kout)  # DeltaNet, GDN: q, k (and their row factors)
                 f2 = jax.jit(lambda *a: api._state_fwd(s, *a))
                 t2 = time_jax(f2, W, U, qk, dend, h0)
                 h, ut, sT = f2(W, U, qk, dend, h0)
                 f3 = jax.jit(lambda *a: api._output(s, *a, q.dtype))
-                t3 = time_jax(f3, qk.arrays(s.store_dtype)[0], h, M, ut)
+                t3 = time_jax(f3, qk.arrays(s, s.store_dtype)[0], h, M, ut)
                 # the forward state pass taking the output (Spec.fuse_output): with h (training) and without
                 f23 = jax.jit(lambda *a: api._state_fwd(s, *a, out_dtype=q.dtype))
                 t23 = time_jax(f23, W, U, qk, dend, h0, M)
@@ -320,7 +320,8 @@ def part_mosaic(results, shapes, reps):
             d = jnp.exp(-jax.random.uniform(ks[6], (B, N, H, D, 1)))
             h0 = jax.random.normal(ks[7], (B, H, D, D))
             z = jnp.zeros((B, T, H, D), jnp.bfloat16)
-            s, _ = api._debug_spec(z, z, z, None, z[..., 0])
+            # per-channel gates: the Triton passes take q_in and k_out as arrays, as the Mosaic GPU ones do
+            s, _ = api._debug_spec(z, z, z, z.astype(jnp.float32), z[..., 0])
             it = s.interpret  # the CPU: both in their interpreters
             fns = {"mosaic fwd": jax.jit(lambda: mg.state_fwd(W, U, ko, d, h0, chunk=C, interpret=it)),
                    "triton fwd": jax.jit(lambda: api._state_fwd(s, W, U, api._QK(None, ko), d, h0)),

@@ -212,9 +212,9 @@ _dce_able = functools.partial(jax.jit, static_argnums=(0,))
 
 @functools.partial(_dce_able, static_argnames=("residuals",))
 def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
-    """``(W, U, M, q_in, k_out, d_end, KK)`` — for DeltaNet and scalar gates ``q_in`` and ``k_out`` are
-    their ``[T, 1]`` row factors ``ein``, ``eout`` (:class:`_QK`); ``residuals=False`` (an
-    undifferentiated call): ``KK`` None.
+    """``(W, U, M, q_in, k_out, d_end, KK)`` — without per-channel gates ``q_in`` and ``k_out`` are their
+    ``[T, 1]`` row factors ``ein``, ``eout``, or None (:func:`kernels.delta.kernels.row_factors`,
+    :class:`_QK`); ``residuals=False`` (an undifferentiated call): ``KK`` None.
     In a ``jit`` of its own (``_dce_able``, above)."""
     C, K, V = s.cfg.chunk, s.K, s.V
     args, specs = _chunk_inputs(s, q, k, v, g, beta, doc)
@@ -223,9 +223,10 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
     tc = _tok_spec(s, C, C, lambda b, h, n: (b, n, h, 0))
     cd = _chk_spec(s, None, K, 1, lambda b, h, n: (b, n, h, 0))
     sd = s.store_dtype
-    qk_shape = (jax.ShapeDtypeStruct(_tok_shape(s, K), sd) if s.cfg.channel
+    rows = kn.row_factors(s.cfg)
+    qk_shape = (jax.ShapeDtypeStruct(_tok_shape(s, K), sd) if rows == "arrays"
                 else jax.ShapeDtypeStruct(_tok_shape(s, 1), F32))
-    tqk = tk if s.cfg.channel else _tok_spec(s, C, 1, lambda b, h, n: (b, n, h, 0))
+    tqk = tk if rows == "arrays" else _tok_spec(s, C, 1, lambda b, h, n: (b, n, h, 0))
     out_shape = [jax.ShapeDtypeStruct(_tok_shape(s, K), sd),   # W
                  jax.ShapeDtypeStruct(_tok_shape(s, V), sd),   # U
                  jax.ShapeDtypeStruct(_tok_shape(s, C), sd),   # M
@@ -234,33 +235,32 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
                  jax.ShapeDtypeStruct(_chk_shape(s, K, 1), F32),  # d_end
                  jax.ShapeDtypeStruct(_tok_shape(s, C), F32)]     # KK (decayed, strictly lower), for the backward
     out_specs = [tk, tv, tc, tqk, tqk, cd, tc]
-    n_out = 7 if residuals else 6
-    res = _call(s, functools.partial(kn.intra_fwd, s.cfg, residuals=residuals), grid=(s.B, s.H, s.N),
-                in_specs=specs, out_specs=out_specs[:n_out], out_shape=out_shape[:n_out],
-                semantics=("parallel", "parallel", "parallel"))(*args)
-    return tuple(res) + ((None,) if not residuals else ())
+    keep = [True, True, True, rows != "scale", rows != "scale", True, residuals]
+    res = iter(_call(s, functools.partial(kn.intra_fwd, s.cfg, residuals=residuals), grid=(s.B, s.H, s.N),
+                     in_specs=specs, out_specs=[x for x, k_ in zip(out_specs, keep) if k_],
+                     out_shape=[x for x, k_ in zip(out_shape, keep) if k_],
+                     semantics=("parallel", "parallel", "parallel"))(*args))
+    return tuple(next(res) if k_ else None for k_ in keep)
 
 
 class _QK(NamedTuple):
-    """What the state passes read as ``q_in = q ⊙ E_in`` and ``k_out = k ⊙ E_out``: the arrays
-    themselves (per-channel gates: ``[T, K]`` factors), or ``q`` and ``k`` with the ``[T, 1]`` row
-    factors ``ein`` (``scale`` folded in) and ``eout`` (DeltaNet, scalar gates: the intra-chunk kernel
-    writes 8 bytes per token·head instead of ``2·K`` values; the state passes multiply as they load,
-    :class:`kernels.delta.kernels.RowScaled`)."""
+    """What the state passes read as ``q_in = q ⊙ E_in`` and ``k_out = k ⊙ E_out``
+    (:func:`kernels.delta.kernels.row_factors`): the arrays themselves (per-channel gates), or ``q``
+    and ``k`` with the ``[T, 1]`` row factors ``ein`` (``scale`` folded in) and ``eout`` (scalar
+    gates, documents), or ``q`` and ``k`` alone (DeltaNet: ``E_in = scale``, ``E_out = 1``)."""
 
     qin: Any
     kout: Any
     ein: Any = None
     eout: Any = None
 
-    @property
-    def scaled(self) -> bool:
-        return self.eout is not None
-
-    def arrays(self, dtype):
+    def arrays(self, s: "Spec", dtype):
         """``(q_in, k_out)`` as arrays in ``dtype`` (for the kernels that take them whole)."""
-        if not self.scaled:
+        rows = kn.row_factors(s.cfg)
+        if rows == "arrays":
             return self.qin, self.kout
+        if rows == "scale":
+            return (self.qin.astype(F32) * s.cfg.scale).astype(dtype), self.kout
         return ((self.qin.astype(F32) * self.ein).astype(dtype), (self.kout.astype(F32) * self.eout).astype(dtype))
 
 
@@ -272,7 +272,8 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
     In a ``jit`` of its own, as the forward kernels are (``_dce_able``)."""
     C, K, V, N, bv = s.cfg.chunk, s.K, s.V, s.N, s.bv
     nv = V // bv
-    out = kn.StateOut(h=store_h, o=M is not None, ut=store_h or M is None, scaled=qk.scaled)
+    out = kn.StateOut(h=store_h, o=M is not None, ut=store_h or M is None)
+    cols = kn.row_factors(s.cfg) == "columns"
     kout, qin = qk.kout, qk.qin
     out_shape = [jax.ShapeDtypeStruct(_chk_shape(s, K, V), s.state_dtype),  # h
                  jax.ShapeDtypeStruct(_tok_shape(s, V), s.store_dtype),     # Ũ
@@ -302,7 +303,7 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
         body, grid = functools.partial(kn.state_fwd_grid, s.cfg, out), (s.B, s.H, nv, N)
         semantics, scratch = ("parallel", "parallel", "parallel", "arbitrary"), [pltpu.VMEM((K, bv), F32)]
     keep_in = [True] * 5 + [out.o] * 2
-    if qk.scaled:  # the row factors ein (read with q, for the output) and eout (with k)
+    if cols:  # the row factors ein (for the output) and eout
         args = args + ([qk.ein] if out.o else []) + [qk.eout]
         in_specs, keep_in = in_specs + [f1, f1], keep_in + [out.o, True]
     keep_out = [out.h, out.ut, True, out.o]
@@ -331,10 +332,11 @@ def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT):
     C, K, V, N, bv = s.cfg.chunk, s.K, s.V, s.N, s.bv
     if s.state_bwd == "mosaic":
         from . import mosaic_gpu
-        qin, kout = qk.arrays(s.store_dtype)
+        qin, kout = qk.arrays(s, s.store_dtype)
         return mosaic_gpu.state_bwd(M, do, kout, qin, W, dend, dsT, chunk=C, state_dtype=s.state_dtype,
                                     interpret=s.interpret, block_v=64)
-    args = [M, do, qk.kout, qk.qin, W, dend, dsT] + ([qk.ein, qk.eout] if qk.scaled else [])
+    cols = kn.row_factors(s.cfg) == "columns"
+    args = [M, do, qk.kout, qk.qin, W, dend, dsT] + ([qk.ein, qk.eout] if cols else [])
     nv = V // bv
     out_shape = [jax.ShapeDtypeStruct(_chk_shape(s, K, V), s.state_dtype),  # dh (grad of state after chunk n)
                  jax.ShapeDtypeStruct(_tok_shape(s, V), s.store_dtype),     # dŨ
@@ -347,8 +349,8 @@ def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT):
         fd = _chk_spec(s, N, K, 1, lambda b, h, j: (b, 0, h, 0))
         st = _state_spec(s, bv, lambda b, h, j: (b, h, j))
         fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
-        f1 = [_tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))] * (2 if qk.scaled else 0)
-        return _call(s, functools.partial(kn.state_bwd_loop, s.cfg, N, qk.scaled), grid=(s.B, s.H, nv),
+        f1 = [_tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))] * (2 if cols else 0)
+        return _call(s, functools.partial(kn.state_bwd_loop, s.cfg, N), grid=(s.B, s.H, nv),
                      in_specs=[fc, fv, fk, fk, fk, fd, st] + f1, out_specs=[fh, fv, st], out_shape=out_shape,
                      semantics=None, state=True)(*args)
     rev = lambda n: N - 1 - n  # noqa: E731
@@ -358,8 +360,8 @@ def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT):
     cd = _chk_spec(s, None, K, 1, lambda b, h, j, n: (b, rev(n), h, 0))
     st = _state_spec(s, bv, lambda b, h, j, n: (b, h, j))
     ch = _chk_spec(s, None, K, bv, lambda b, h, j, n: (b, rev(n), h, j))
-    c1 = [_tok_spec(s, C, 1, lambda b, h, j, n: (b, rev(n), h, 0))] * (2 if qk.scaled else 0)
-    return _call(s, functools.partial(kn.state_bwd_grid, s.cfg, qk.scaled), grid=(s.B, s.H, nv, N),
+    c1 = [_tok_spec(s, C, 1, lambda b, h, j, n: (b, rev(n), h, 0))] * (2 if cols else 0)
+    return _call(s, functools.partial(kn.state_bwd_grid, s.cfg), grid=(s.B, s.H, nv, N),
                  in_specs=[cc, cv, ck, ck, ck, cd, st] + c1, out_specs=[ch, cv, st], out_shape=out_shape,
                  semantics=("parallel", "parallel", "parallel", "arbitrary"),
                  scratch=[pltpu.VMEM((K, bv), F32)])(*args)
@@ -414,7 +416,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
 # ---------------------------------------------------------------------------
 def _qk(s: Spec, q, k, qin, kout) -> _QK:
     """The state passes' ``q_in``/``k_out`` from the intra-chunk kernel's outputs (:class:`_QK`)."""
-    return _QK(qin, kout) if s.cfg.channel else _QK(q, k, qin, kout)
+    return _QK(qin, kout) if kn.row_factors(s.cfg) == "arrays" else _QK(q, k, qin, kout)
 
 
 def _forward(s: Spec, q, k, v, g, beta, doc, h0):
@@ -426,7 +428,7 @@ def _forward(s: Spec, q, k, v, g, beta, doc, h0):
         _, _, sT, o = _state_fwd(s, W, U, qk, dend, h0, M, out_dtype=q.dtype, store_h=False)
     else:
         h, ut, sT = _state_fwd(s, W, U, qk, dend, h0)
-        o = _output(s, qk.arrays(s.store_dtype)[0], h, M, ut, q.dtype)
+        o = _output(s, qk.arrays(s, s.store_dtype)[0], h, M, ut, q.dtype)
     return o, sT
 
 
@@ -450,7 +452,7 @@ def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
     else:
         h, ut, sT = _state_fwd(s, W, U, qk, dend, h0)
         h, ut = (checkpoint_name(a, RESIDUALS) for a in (h, ut))
-        o = checkpoint_name(_output(s, qk.arrays(s.store_dtype)[0], h, M, ut, q.dtype), RESIDUALS)
+        o = checkpoint_name(_output(s, qk.arrays(s, s.store_dtype)[0], h, M, ut, q.dtype), RESIDUALS)
     return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut)  # U: not needed backward
 
 

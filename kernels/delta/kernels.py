@@ -15,6 +15,12 @@ carry the state across chunks:
 On GPUs ``intra_bwd`` runs as two kernels, ``intra_bwd_solve`` (``dv, dβ``) then
 ``intra_bwd_scores`` (``dq, dk, dg``), to keep Triton's register use down (see there).
 
+``KK`` (f32 ``[C, C]`` per chunk, the backward's residual) is strictly lower; the upper triangles of
+its diagonal tiles carry the transposed inverses ``T_IIᵀ`` of the UT solve's diagonal tiles, so the
+backward's back-solve does not invert them again. Without per-channel gates (DeltaNet, GDN)
+``q_in = q ⊙ E_in`` and ``k_out = k ⊙ E_out`` scale whole rows: ``intra_fwd`` writes the ``[C, 1]``
+factors in their place and the state passes apply them to their ``[C, bv]`` operands (:func:`row_factors`).
+
 The sequential kernels come in two flavours with one shared step function:
 ``*_loop`` (GPU: one program per ``(b, h, v-block)`` loops over chunks with a
 ``fori_loop`` over refs that hold the whole sequence) and ``*_grid`` (TPU: the
@@ -60,9 +66,12 @@ def _tiles(ref, nb, scale=None):
 # intra_fwd
 # ---------------------------------------------------------------------------
 def intra_fwd(cfg: Cfg, *refs, residuals: bool = True):
-    """``residuals=False`` (a forward no backward reads): no ``KK`` output."""
+    """``residuals=False`` (a forward no backward reads): no ``KK`` output; ``q_in``, ``k_out`` as
+    :func:`row_factors` says (none in the "scale" mode)."""
     r, outs = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
-    w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, *kk = outs
+    w_ref, u_ref, m_ref, *outs = outs
+    qin_ref, kout_ref = (None, None) if row_factors(cfg) == "scale" else (outs.pop(0), outs.pop(0))
+    dend_ref, *kk = outs
     nb = cfg.nb
     ch = Chunk(cfg, r["g"], r["doc"])
     q = _tiles(r["q"], nb, cfg.scale)
@@ -79,7 +88,7 @@ def intra_fwd(cfg: Cfg, *refs, residuals: bool = True):
         if cfg.channel:
             store_rows(qin_ref, I * SUB, _mul(q[I], ch.Ein[I]))
             store_rows(kout_ref, I * SUB, _mul(k[I], ch.Eout[I]))
-        else:  # [16, 1] row factors: q_in = q ⊙ ein, k_out = k ⊙ eout, taken where they are read (RowScaled)
+        elif row_factors(cfg) == "columns":  # [16, 1] row factors q_in = q ⊙ ein, k_out = k ⊙ eout
             one = jnp.ones((SUB, 1), F32)
             store_rows(qin_ref, I * SUB, _mul(one, ch.Ein[I]) * cfg.scale)
             store_rows(kout_ref, I * SUB, _mul(one, ch.Eout[I]))
@@ -103,33 +112,27 @@ def intra_fwd(cfg: Cfg, *refs, residuals: bool = True):
 # ---------------------------------------------------------------------------
 # state passes
 # ---------------------------------------------------------------------------
-class RowScaled:
-    """``ref[idx] ⊙ f_ref[idx]``: a token array read through its ``[rows, 1]`` row factors (``f_ref``
-    None: the ref itself). The state passes read ``q_in = q ⊙ ein`` and ``k_out = k ⊙ eout`` this way
-    for scalar gates and DeltaNet, so the intra-chunk kernel writes two f32 columns instead of two
-    ``[T, K]`` arrays."""
-
-    def __init__(self, ref, f_ref=None):
-        self.ref, self.f_ref = ref, f_ref
-
-    def __getitem__(self, idx):
-        x = self.ref[idx]
-        return x if self.f_ref is None else x.astype(F32) * self.f_ref[idx]
-
-
-def _scaled(refs, scaled: bool, qi: int, ko: int):
-    """``refs`` (a kernel's inputs) with ``refs[qi]`` and ``refs[ko]`` read through the two row-factor
-    refs that follow them at the end (``scaled``), which are dropped."""
-    if not scaled:
-        return list(refs)
-    *ins, ein, eout = refs
-    ins[qi], ins[ko] = RowScaled(ins[qi], ein), RowScaled(ins[ko], eout)
-    return ins
+def row_factors(cfg: Cfg) -> str:
+    """How the state passes get ``q_in = q ⊙ E_in`` and ``k_out = k ⊙ E_out``: ``"arrays"`` (per-channel
+    gates: ``[T, K]`` arrays written by :func:`intra_fwd`), ``"columns"`` (scalar gates or documents:
+    ``q`` and ``k`` with the ``[T, 1]`` f32 row factors ``ein`` — ``scale`` folded in — and ``eout``
+    written in their place), ``"scale"`` (DeltaNet without documents: ``E_in = scale``, ``E_out = 1``).
+    Row factors are applied to the state passes' ``[C, bv]`` operands and results, never to ``[C, K]``
+    tiles: ``k_outᵀ Ũ = kᵀ (eout ⊙ Ũ)``, ``q_in S = ein ⊙ (q S)``, ``k_out dS = eout ⊙ (k dS)``,
+    ``q_inᵀ dO = qᵀ (ein ⊙ dO)``."""
+    if cfg.channel:
+        return "arrays"
+    return "columns" if (cfg.gated or cfg.docs) else "scale"
 
 
-def state_fwd_step(cfg: Cfg, S, w, u, ko, d):
+def _rows(cfg: Cfg, ref, rows):
+    """``eout``'s rows ``[C, 1]`` (None: no factor)."""
+    return None if ref is None else ref[rows, :]
+
+
+def state_fwd_step(cfg: Cfg, S, w, u, ko, d, eout=None):
     ut = u - mm(cfg, w, S)
-    S = d * S + mm(cfg, ko, ut, ta=True)
+    S = d * S + mm(cfg, ko, _mul(ut, eout), ta=True)
     return ut, S
 
 
@@ -137,9 +140,10 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
     """GPU: one program per ``(b, h, value block)`` carries ``S`` through the chunks. With ``out.o``
     each chunk's output block ``O_n = q_in S_n + M Ũ_n`` is taken here, from the state in registers
     (the output kernel's work, without writing and re-reading ``h``); without ``out.h`` and ``out.ut``
-    neither per-chunk states nor ``Ũ`` are stored (a forward that no backward reads)."""
-    ins, (h_ref, ut_ref, st_ref, o_ref) = out.split(refs)
-    w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref = ins
+    neither per-chunk states nor ``Ũ`` are stored (a forward that no backward reads). ``q_in`` and
+    ``k_out`` as :func:`row_factors` says."""
+    ins, (h_ref, ut_ref, st_ref, o_ref) = out.split(cfg, refs)
+    w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref, ein_ref, eout_ref = ins
     C = cfg.chunk
 
     def body(n, S):
@@ -148,11 +152,12 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
         rows = pl.ds(pl.multiple_of(n * C, C), C)
         S_n = S
         ut, S = state_fwd_step(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :],
-                               dend_ref[n].astype(F32))
+                               dend_ref[n].astype(F32), _rows(cfg, eout_ref, rows))
         if ut_ref is not None:
             ut_ref[rows, :] = ut.astype(ut_ref.dtype)
         if o_ref is not None:
-            o_ref[rows, :] = _chunk_output(cfg, qin_ref[rows, :], S_n, m_ref[rows, :], ut).astype(o_ref.dtype)
+            o_ref[rows, :] = _chunk_output(cfg, qin_ref[rows, :], S_n, m_ref[rows, :], ut,
+                                           _ein(cfg, ein_ref, rows)).astype(o_ref.dtype)
         return S
 
     st_ref[...] = lax.fori_loop(0, n_chunks, body, h0_ref[...].astype(F32)).astype(st_ref.dtype)
@@ -161,10 +166,11 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
 def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):
     """TPU: the chunk axis is the last grid axis, the state lives in a VMEM scratch buffer; ``out`` as
     in :func:`state_fwd_loop`."""
-    ins, (h_ref, ut_ref, st_ref, o_ref) = out.split(refs[:-1])
-    w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref = ins
+    ins, (h_ref, ut_ref, st_ref, o_ref) = out.split(cfg, refs[:-1])
+    w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref, ein_ref, eout_ref = ins
     s_scr = refs[-1]
     n = pl.program_id(3)
+    every = slice(None)
 
     @pl.when(n == 0)
     def _():
@@ -173,11 +179,12 @@ def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):
     S_n = s_scr[...]
     if h_ref is not None:
         h_ref[...] = S_n.astype(h_ref.dtype)
-    ut, S = state_fwd_step(cfg, S_n, w_ref[...], u_ref[...].astype(F32), ko_ref[...], dend_ref[...].astype(F32))
+    ut, S = state_fwd_step(cfg, S_n, w_ref[...], u_ref[...].astype(F32), ko_ref[...], dend_ref[...].astype(F32),
+                           _rows(cfg, eout_ref, every))
     if ut_ref is not None:
         ut_ref[...] = ut.astype(ut_ref.dtype)
     if o_ref is not None:
-        o_ref[...] = _chunk_output(cfg, qin_ref[...], S_n, m_ref[...], ut).astype(o_ref.dtype)
+        o_ref[...] = _chunk_output(cfg, qin_ref[...], S_n, m_ref[...], ut, _ein(cfg, ein_ref, every)).astype(o_ref.dtype)
     s_scr[...] = S
 
     @pl.when(n == pl.num_programs(3) - 1)
@@ -189,40 +196,54 @@ def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):
 class StateOut:
     """What the forward state pass writes besides the final state: ``h`` (the state before every
     chunk, for the backward), ``ut`` (``Ũ``: the backward's, or the output kernel's) and/or ``o``
-    (the output, fused: then ``q_in`` and ``M`` are inputs too). Splits a kernel's refs into its 7
-    inputs and 4 outputs, ``None`` where absent."""
+    (the output, fused: then ``q_in`` and ``M`` are inputs too)."""
 
     h: bool = True
     o: bool = False
     ut: bool = True
-    scaled: bool = False  # k_out (and q_in) arrive as k (q) and [T, 1] row factors eout (ein): RowScaled
 
-    def split(self, refs):
+    def split(self, cfg: Cfg, refs):
+        """A kernel's refs as 9 inputs ``(w, u, k_out, d_end, h0, q_in, M, ein, eout)`` and 4 outputs
+        ``(h, Ũ, final state, o)``, ``None`` where absent (row factors: :func:`row_factors`)."""
         it = iter(refs)
         ins = [next(it) for _ in range(5)] + ([next(it), next(it)] if self.o else [None, None])
-        if self.scaled:
-            ein = next(it) if self.o else None
-            eout = next(it)
-            ins[2] = RowScaled(ins[2], eout)
-            if self.o:
-                ins[5] = RowScaled(ins[5], ein)
+        cols = row_factors(cfg) == "columns"
+        ins += [next(it) if (cols and self.o) else None, next(it) if cols else None]
         outs = [next(it) if self.h else None, next(it) if self.ut else None, next(it),
                 next(it) if self.o else None]
         return ins, outs
 
 
-def state_bwd_step(cfg: Cfg, dS, m, do, ko, qi, w, d):
-    dut = mm(cfg, m, do, ta=True) + mm(cfg, ko, dS)
-    dS = mm(cfg, qi, do, ta=True) + d * dS - mm(cfg, w, dut, ta=True)
+def _ein(cfg: Cfg, ref, rows):
+    """``q_in``'s row factor: the ``ein`` column, ``cfg.scale`` ("scale" mode) or None ("arrays")."""
+    mode = row_factors(cfg)
+    return cfg.scale if mode == "scale" else (ref[rows, :] if mode == "columns" else None)
+
+
+def state_bwd_step(cfg: Cfg, dS, m, do, ko, qi, w, d, ein=None, eout=None):
+    dut = mm(cfg, m, do, ta=True) + _mul(mm(cfg, ko, dS), eout)
+    if isinstance(ein, float):  # a constant: scale the [K, bv] product (no rounding of dO)
+        qdo = mm(cfg, qi, do, ta=True) * ein
+    else:
+        qdo = mm(cfg, qi, _mul(do, ein), ta=True)
+    dS = qdo + d * dS - mm(cfg, w, dut, ta=True)
     return dut, dS
 
 
-def state_bwd_loop(cfg: Cfg, n_chunks: int, scaled: bool, *refs):
-    """GPU: one program per ``(b, h, value block)`` carries ``dS`` back through the chunks; ``scaled``:
-    ``k_out`` and ``q_in`` arrive as ``k``, ``q`` and their row factors (:class:`RowScaled`)."""
-    n_in = 9 if scaled else 7
-    m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref = _scaled(refs[:n_in], scaled, 3, 2)
-    dh_ref, dut_ref, dh0_ref = refs[n_in:]
+def _bwd_refs(cfg: Cfg, refs, n_out: int):
+    """The backward state pass's refs: 7 inputs ``(M, dO, k_out, q_in, W, d_end, dS_T)``, the row
+    factors ``(ein, eout)`` (None unless "columns") and the ``n_out`` remaining refs."""
+    cols = row_factors(cfg) == "columns"
+    n_in = 9 if cols else 7
+    ins = list(refs[:7]) + (list(refs[7:9]) if cols else [None, None])
+    return ins, refs[n_in:n_in + n_out] if n_out else refs[n_in:]
+
+
+def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs):
+    """GPU: one program per ``(b, h, value block)`` carries ``dS`` back through the chunks; ``q_in``
+    and ``k_out`` as :func:`row_factors` says."""
+    ins, (dh_ref, dut_ref, dh0_ref) = _bwd_refs(cfg, refs, 3)
+    m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref, ein_ref, eout_ref = ins
     C = cfg.chunk
 
     def body(i, dS):
@@ -230,20 +251,20 @@ def state_bwd_loop(cfg: Cfg, n_chunks: int, scaled: bool, *refs):
         dh_ref[n] = dS.astype(dh_ref.dtype)
         rows = pl.ds(pl.multiple_of(n * C, C), C)
         dut, dS = state_bwd_step(cfg, dS, m_ref[rows, :], do_ref[rows, :], ko_ref[rows, :], qi_ref[rows, :],
-                                 w_ref[rows, :], dend_ref[n].astype(F32))
+                                 w_ref[rows, :], dend_ref[n].astype(F32), _ein(cfg, ein_ref, rows),
+                                 _rows(cfg, eout_ref, rows))
         dut_ref[rows, :] = dut.astype(dut_ref.dtype)
         return dS
 
     dh0_ref[...] = lax.fori_loop(0, n_chunks, body, dst_ref[...].astype(F32)).astype(dh0_ref.dtype)
 
 
-def state_bwd_grid(cfg: Cfg, scaled: bool, *refs):
-    """TPU: the chunk axis is the last grid axis, ``dS`` lives in a VMEM scratch buffer; ``scaled`` as in
-    :func:`state_bwd_loop`."""
-    n_in = 9 if scaled else 7
-    m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref = _scaled(refs[:n_in], scaled, 3, 2)
-    dh_ref, dut_ref, dh0_ref, s_scr = refs[n_in:]
+def state_bwd_grid(cfg: Cfg, *refs):
+    """TPU: the chunk axis is the last grid axis, ``dS`` lives in a VMEM scratch buffer."""
+    ins, (dh_ref, dut_ref, dh0_ref, s_scr) = _bwd_refs(cfg, refs, 4)
+    m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref, ein_ref, eout_ref = ins
     i = pl.program_id(3)
+    every = slice(None)
 
     @pl.when(i == 0)
     def _():
@@ -252,7 +273,7 @@ def state_bwd_grid(cfg: Cfg, scaled: bool, *refs):
     dS = s_scr[...]
     dh_ref[...] = dS.astype(dh_ref.dtype)
     dut, dS = state_bwd_step(cfg, dS, m_ref[...], do_ref[...], ko_ref[...], qi_ref[...], w_ref[...],
-                             dend_ref[...].astype(F32))
+                             dend_ref[...].astype(F32), _ein(cfg, ein_ref, every), _rows(cfg, eout_ref, every))
     dut_ref[...] = dut.astype(dut_ref.dtype)
     s_scr[...] = dS
 
@@ -264,9 +285,10 @@ def state_bwd_grid(cfg: Cfg, scaled: bool, *refs):
 # ---------------------------------------------------------------------------
 # output
 # ---------------------------------------------------------------------------
-def _chunk_output(cfg: Cfg, qin, S, M, ut):
-    """``O_n = q_in S_n + M Ũ_n`` (f32): the state's contribution and the chunk's own tokens'."""
-    return mm(cfg, qin, S) + mm(cfg, M, ut)
+def _chunk_output(cfg: Cfg, qin, S, M, ut, ein=None):
+    """``O_n = q_in S_n + M Ũ_n`` (f32): the state's contribution and the chunk's own tokens'
+    (``q_in = ein ⊙ q`` when ``ein`` is given)."""
+    return _mul(mm(cfg, qin, S), ein) + mm(cfg, M, ut)
 
 
 def output(cfg: Cfg, qin_ref, h_ref, m_ref, ut_ref, o_ref):
