@@ -455,7 +455,10 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
         del x, a6
 
 
-def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=lambda: False):
+AB_MODES = ("fwdbwd", "fwd")
+
+
+def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=lambda: False, modes=AB_MODES):
     """Pallas with ``--pallas_tuning`` (A) against the same with ``knobs_b`` changed (B), paired: per
     (shape, rule, mode) both are compiled, then timed in ``AB_ROUNDS`` alternating rounds of ``reps``
     calls (A B, B A, ...); the row keeps each round's medians and the median of the rounds' B / A."""
@@ -469,7 +472,7 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
         x = make_inputs(B, T)
         a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
         for rule in rules:
-            for mode in ("fwdbwd", "fwd"):
+            for mode in modes:
                 fs, args = [], a6 if mode == "fwd" else (*a6, x["do"])
                 for tun in (tun_a, tun_b):
                     fn = rule_fn(rule, "pallas", chunk_size=chunk_size, tuning=tun)
@@ -604,6 +607,8 @@ def main(argv=None):
     ap.add_argument("--pallas_chunk", type=int, default=None, help="Pallas chunk size (default: the kernels' own)")
     ap.add_argument("--ab", default="", metavar="KNOBS",
                     help="--parts ab: the launch knobs B changes against --pallas_tuning (A), e.g. fuse_output=0")
+    ap.add_argument("--ab_modes", default=",".join(AB_MODES),
+                    help="--parts ab: which of " + ",".join(AB_MODES) + " to time (comma-separated)")
     ap.add_argument("--pallas_tuning", default="",
                     help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores,"
                          "fuse_output=0,state_bwd=triton,inverse=loop")
@@ -615,6 +620,10 @@ def main(argv=None):
     pc = args.pallas_chunk
     PALLAS_TUNING.update(parse_tuning(ap, "--pallas_tuning", args.pallas_tuning))
     knobs_b = parse_tuning(ap, "--ab", args.ab)
+    ab_modes = tuple(filter(None, args.ab_modes.split(",")))
+    for m in ab_modes:
+        if m not in AB_MODES:
+            ap.error(f"--ab_modes: unknown mode {m!r} (one of {', '.join(AB_MODES)})")
     if "ab" in args.parts.split(",") and not knobs_b:
         ap.error("--parts ab needs --ab knob=value[,knob=value]: the B side's changed launch knobs")
     if args.fla_cache:
@@ -668,7 +677,7 @@ def main(argv=None):
         part_mosaic(results, shapes, reps)
         save()
     if "ab" in parts:
-        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over)
+        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes)
         results["ab_table"] = ab_table(results)
         log(results["ab_table"])
         save()

@@ -69,11 +69,15 @@ def test_ab_times_both_sides_in_alternating_rounds(tiny, monkeypatch):
         lo, hi = r["b_over_a_range"]
         assert lo <= r["b_over_a"] <= hi
     assert kb.ab_table(res).count("| (1, 64) | delta |") == 2
+    res = {}  # --ab_modes: the forward alone (the compiled forwards are cached)
+    kb.part_ab(res, [(1, 64)], 1, {"fuse_output": False}, rules=("delta",), chunk_size=32, modes=("fwd",))
+    assert [(r["rule"], r["mode"]) for r in res["ab"]] == [("delta", "fwd")]
 
 
 @pytest.mark.parametrize("argv, message", [(["--parts", "ab"], "--parts ab needs --ab"),
                                            (["--parts", "ab", "--ab", "inverse=neumann"], "--ab: inverse must be"),
-                                           (["--ab", "fuse_output=2"], "--ab: fuse_output must be 0 or 1")])
+                                           (["--ab", "fuse_output=2"], "--ab: fuse_output must be 0 or 1"),
+                                           (["--ab_modes", "bwd"], "--ab_modes: unknown mode 'bwd'")])
 def test_bad_ab_flags_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         kb.main(argv + ["--out", "unused"])
