@@ -368,9 +368,10 @@ def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT):
 
 
 def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
-    """``dq, dk, dv, dβ[, dg]``. GPU: two pallas_calls, ``intra_bwd_solve`` (``dv``, and an f32 hand-off
-    ``dKK [C, C]``, ``dR_u [C, V]``, partial ``dβ [C, 1]``: ``4·(C + V + 1)`` bytes per token·head
-    written, then read) and ``intra_bwd_scores`` (``dq, dk, dβ, dg``) — each holds about half the
+    """``dq, dk, dv, dβ[, dg]``. GPU: two pallas_calls, ``intra_bwd_solve`` (``dv``, and a hand-off
+    ``dKK [C, C]`` and partial ``dβ [C, 1]`` in f32 and ``dR_u [C, V]`` in the bulk matmuls' operand
+    dtype — its one use, ``dR_w = −dR_u Sᵀ``, rounds it to that — so ``4·(C + 1) + 2·V`` bytes per
+    token·head for 16-bit inputs, written, then read) and ``intra_bwd_scores`` (``dq, dk, dβ, dg``) — each holds about half the
     fused kernel's tiles, which spilled registers in every variant. TPU: the fused ``intra_bwd``.
     (Neither needs ``W`` or ``U``: see :func:`kernels.delta.kernels._bwd_solve`.)"""
     C, K, V = s.cfg.chunk, s.K, s.V
@@ -401,7 +402,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
         sspecs.append(_tok_spec(s, C, 1, lambda b, h_, n: (b, n, 0, 0)))
     dv, dbp, dkk, dru = _call(
         s, functools.partial(kn.intra_bwd_solve, s.cfg), grid=grid, in_specs=sspecs + [tc, tv, tv],
-        out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, F32)],
+        out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, s.cfg.mm_dtype)],
         semantics=par)(*sargs, KK, ut, dut)
     dq, dk, dbeta, *dg = _call(
         s, functools.partial(kn.intra_bwd_scores, cfg), grid=grid,

@@ -307,7 +307,7 @@ def output(cfg: Cfg, qin_ref, h_ref, m_ref, ut_ref, o_ref):
 #   inputs: ``dq, dk, dg`` (needs S and dS, dO, Ũ; not v, U, W, dŨ).
 #
 # GPU: two pallas_calls (``intra_bwd_solve`` then ``intra_bwd_scores``) with the hand-off in
-# HBM as f32 — ``(C + K)`` floats per token·head written and read again — so that each Triton
+# HBM — ``dKK`` in f32, ``dR_u`` in the bulk matmuls' dtype — written and read again, so that each Triton
 # program holds half the tiles (the fused kernel spilled 1.5–7.3 KB per thread). TPU: one
 # kernel (``intra_bwd``) that runs both halves; Mosaic keeps the tiles in VMEM.
 def _bwd_solve(cfg: Cfg, ch: Chunk, r, kk_ref, dut_ref, ut_ref, dv_ref):
@@ -501,7 +501,7 @@ def _load_lower(ref, nb, upper=False):
 
 
 def intra_bwd_solve(cfg: Cfg, *refs):
-    """GPU, first half: ``dv`` and the hand-off ``dKK [C, C]``, ``dR_u [C, V]``, partial ``dβ [C, 1]`` (f32).
+    """GPU, first half: ``dv`` and the hand-off ``dKK [C, C]``, partial ``dβ [C, 1]`` (f32), ``dR_u [C, V]``.
     Inputs ``v, β[, doc], KK, Ũ, dŨ``: no q, k or gate (see :func:`_bwd_solve`)."""
     r, rest = _split_in(cfg, refs, ("v", "beta", "doc"))
     kk_ref, ut_ref, dut_ref, dv_ref, dbp_ref, dkk_ref, dru_ref = rest
