@@ -17,7 +17,9 @@ lowerings (same arguments and results). Timed alone on one H200 (bf16, H 16, D 1
 fwd+bwd the Mosaic GPU backward pass was faster at (8, 2048) (256 programs: DeltaNet 2.58 against
 2.74 ms, GDN 3.44 / 3.60, KDA 4.34 / 4.56) and slower at (2, 8192) (64 programs: 3.21 / 2.87,
 3.86 / 3.63, 4.68 / 4.55), so on Hopper GPUs it is the default from ``MOSAIC_BWD_PROGRAMS`` = 128
-programs on (``state_bwd="auto"``; ``"triton"`` / ``"mosaic"`` force one). The forward stays on Triton because
+programs on (``state_bwd="auto"``; ``"triton"`` / ``"mosaic"`` force one). Timed paired in one process
+with the current kernels at (8, 2048) the two lowerings are even (Triton / Mosaic GPU fwd+bwd 0.997
+to 1.009: docs/benchmarks.md). The forward stays on Triton because
 the Triton pass takes the output too (``Spec.fuse_output``), which the Mosaic GPU pass does not.
 If the Triton lowering is removed, the state passes keep running on Mosaic GPU; the intra-chunk
 kernels would need the same port. GPU chunks are 32 tokens (two 16-row tiles): Triton's compile
