@@ -85,7 +85,7 @@ def intra_fwd(cfg: Cfg, *refs, residuals: bool = True):
     for I in range(nb):
         store_rows(u_ref, I * SUB, U[I])
         store_rows(w_ref, I * SUB, W[I])
-        if cfg.channel:
+        if row_factors(cfg) == "arrays":
             store_rows(qin_ref, I * SUB, _mul(q[I], ch.Ein[I]))
             store_rows(kout_ref, I * SUB, _mul(k[I], ch.Eout[I]))
         elif row_factors(cfg) == "columns":  # [16, 1] row factors q_in = q ⊙ ein, k_out = k ⊙ eout
@@ -125,7 +125,7 @@ def row_factors(cfg: Cfg) -> str:
     return "columns" if (cfg.gated or cfg.docs) else "scale"
 
 
-def _rows(cfg: Cfg, ref, rows):
+def _rows(ref, rows):
     """``eout``'s rows ``[C, 1]`` (None: no factor)."""
     return None if ref is None else ref[rows, :]
 
@@ -152,7 +152,7 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
         rows = pl.ds(pl.multiple_of(n * C, C), C)
         S_n = S
         ut, S = state_fwd_step(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :],
-                               dend_ref[n].astype(F32), _rows(cfg, eout_ref, rows))
+                               dend_ref[n].astype(F32), _rows(eout_ref, rows))
         if ut_ref is not None:
             ut_ref[rows, :] = ut.astype(ut_ref.dtype)
         if o_ref is not None:
@@ -180,7 +180,7 @@ def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):
     if h_ref is not None:
         h_ref[...] = S_n.astype(h_ref.dtype)
     ut, S = state_fwd_step(cfg, S_n, w_ref[...], u_ref[...].astype(F32), ko_ref[...], dend_ref[...].astype(F32),
-                           _rows(cfg, eout_ref, every))
+                           _rows(eout_ref, every))
     if ut_ref is not None:
         ut_ref[...] = ut.astype(ut_ref.dtype)
     if o_ref is not None:
@@ -252,7 +252,7 @@ def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs):
         rows = pl.ds(pl.multiple_of(n * C, C), C)
         dut, dS = state_bwd_step(cfg, dS, m_ref[rows, :], do_ref[rows, :], ko_ref[rows, :], qi_ref[rows, :],
                                  w_ref[rows, :], dend_ref[n].astype(F32), _ein(cfg, ein_ref, rows),
-                                 _rows(cfg, eout_ref, rows))
+                                 _rows(eout_ref, rows))
         dut_ref[rows, :] = dut.astype(dut_ref.dtype)
         return dS
 
@@ -273,7 +273,7 @@ def state_bwd_grid(cfg: Cfg, *refs):
     dS = s_scr[...]
     dh_ref[...] = dS.astype(dh_ref.dtype)
     dut, dS = state_bwd_step(cfg, dS, m_ref[...], do_ref[...], ko_ref[...], qi_ref[...], w_ref[...],
-                             dend_ref[...].astype(F32), _ein(cfg, ein_ref, every), _rows(cfg, eout_ref, every))
+                             dend_ref[...].astype(F32), _ein(cfg, ein_ref, every), _rows(eout_ref, every))
     dut_ref[...] = dut.astype(dut_ref.dtype)
     s_scr[...] = dS
 
