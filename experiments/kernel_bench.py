@@ -260,7 +260,8 @@ def part_check(results, rules=RULES, chunk_size=None):
 
 
 def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
-    """Per-kernel times of the Pallas kernels at one shape."""
+    """Per-kernel times of the Pallas kernels at one shape (``results["stages"]`` for (2, 8192),
+    ``results["stages_B_T"]`` for the others)."""
     from kernels.delta import api
     out = {}
     x = make_inputs(B, T)
@@ -276,20 +277,21 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
                 t1 = time_jax(f1, q, k, v, g, beta, doc)
                 W, U, M, qin, kout, dend, KK = f1(q, k, v, g, beta, doc)
                 qk = api._qk(s, q, k, qin, kout)  # DeltaNet, GDN: q, k (and their row factors)
-                f2 = jax.jit(lambda *a: api._state_fwd(s, *a))
+                # the state passes as the rule runs them (split into segments where Spec.state_split > 1)
+                f2 = jax.jit(lambda *a: api._state_forward(s, *a))
                 t2 = time_jax(f2, W, U, qk, dend, h0)
-                h, ut, sT = f2(W, U, qk, dend, h0)
+                (h, ut, sT), A = f2(W, U, qk, dend, h0)
                 f3 = jax.jit(lambda *a: api._output(s, *a, q.dtype))
                 t3 = time_jax(f3, qk.arrays(s, s.store_dtype)[0], h, M, ut)
                 # the forward state pass taking the output (Spec.fuse_output): with h (training) and without
-                f23 = jax.jit(lambda *a: api._state_fwd(s, *a, out_dtype=q.dtype))
+                f23 = jax.jit(lambda *a: api._state_forward(s, *a, out_dtype=q.dtype))
                 t23 = time_jax(f23, W, U, qk, dend, h0, M)
-                f23n = jax.jit(lambda *a: api._state_fwd(s, *a, out_dtype=q.dtype, store_h=False))
+                f23n = jax.jit(lambda *a: api._state_forward(s, *a, out_dtype=q.dtype, store_h=False))
                 t23n = time_jax(f23n, W, U, qk, dend, h0, M)
                 do = x["do"]
-                f4 = jax.jit(lambda *a: api._state_bwd(s, *a))
-                t4 = time_jax(f4, M, do, qk, W, dend, sT)
-                dh, dut, dh0 = f4(M, do, qk, W, dend, sT)
+                f4 = jax.jit(lambda *a: api._state_backward(s, *a))
+                t4 = time_jax(f4, A, M, do, qk, W, dend, sT)
+                dh, dut, dh0 = f4(A, M, do, qk, W, dend, sT)
                 f5 = jax.jit(lambda *a: api._intra_bwd(s, *a))
                 t5 = time_jax(f5, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh)
                 r = {"intra_fwd": t1, "state_fwd": t2, "output": t3, "state_fwd_output": t23,
@@ -299,7 +301,7 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
             except Exception as ex:  # noqa: BLE001
                 traceback.print_exc()
                 out[f"{rule}/warps{nw}"] = {"error": repr(ex)[:2000]}
-    results["stages"] = out
+    results["stages" if (B, T) == (2, 8192) else f"stages_{B}_{T}"] = out
 
 
 def part_mosaic(results, shapes, reps):
@@ -581,7 +583,9 @@ def parse_tuning(ap, flag, text) -> dict:
             if val not in ("0", "1"):
                 ap.error(f"{flag}: fuse_output must be 0 or 1, got {val!r}")
             out[key] = val == "1"
-        elif key in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores"):
+        elif key == "state_split" and val == "auto":
+            out[key] = val
+        elif key in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "state_split"):
             try:
                 out[key] = int(val)
             except ValueError:
@@ -605,6 +609,7 @@ def main(argv=None):
                          "autotuning results kept in memory only)")
     ap.add_argument("--rules", default=",".join(RULES), help="comma-separated subset of " + ",".join(RULES))
     ap.add_argument("--pallas_chunk", type=int, default=None, help="Pallas chunk size (default: the kernels' own)")
+    ap.add_argument("--stages_shapes", default="2,8192", help="--parts stages: the (B,T) shapes, ';'-separated")
     ap.add_argument("--ab", default="", metavar="KNOBS",
                     help="--parts ab: the launch knobs B changes against --pallas_tuning (A), e.g. fuse_output=0")
     ap.add_argument("--ab_modes", default=",".join(AB_MODES),
@@ -671,8 +676,10 @@ def main(argv=None):
         part_bench(results, shapes[:1], reps, ours, pallas_ok, over, rules, pc)
         save()
     if "stages" in parts and not over():
-        part_stages(results, rules=rules, chunk_size=pc)
-        save()
+        for shape in args.stages_shapes.split(";"):
+            b, t = (int(u) for u in shape.split(","))
+            part_stages(results, b, t, rules=rules, chunk_size=pc)
+            save()
     if "mosaic" in parts and not over():
         part_mosaic(results, shapes, reps)
         save()

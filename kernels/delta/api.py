@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -92,6 +93,10 @@ RESIDUALS = "delta_rule_residuals"  # checkpoint_name of the forward kernels' ou
 # with the threshold below (the measurements behind it: this module's docstring).
 STATE_BWD = ("auto", "triton", "mosaic")
 MOSAIC_BWD_PROGRAMS = 128
+# GPU state passes on few long sequences: split each into segments (default_state_split) until the
+# passes launch SPLIT_PROGRAMS programs of 32 value columns, keeping SPLIT_MIN_CHUNKS chunks a segment.
+SPLIT_PROGRAMS = 512
+SPLIT_MIN_CHUNKS = 32
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
                        # values they scale before products go subnormal (flushed on tensor cores)
 
@@ -118,6 +123,8 @@ class Spec:
     anchored_bwd: str = "scores"  # per-channel gates: whether the backward's scores kernel anchors (ANCHORED_BWD)
     fuse_output: bool = True  # the forward state pass takes the output (no output kernel; see _state_fwd)
     state_bwd: str = "triton"  # GPU: lowering of the backward state pass, "triton" or "mosaic" (STATE_BWD)
+    state_split: int = 1  # segments the state passes split each sequence into (_state_fwd_split); B, N, bv
+                          # and state_bwd above describe the whole sequence, the passes run on B·P, N / P
 
 
 # ---------------------------------------------------------------------------
@@ -266,15 +273,18 @@ class _QK(NamedTuple):
         return ((self.qin.astype(F32) * self.ein).astype(dtype), (self.kout.astype(F32) * self.eout).astype(dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("out_dtype", "store_h"))
-def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, store_h=True):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("out_dtype", "store_h", "final_only"))
+def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, store_h=True, final_only=False):
     """The forward state pass: ``(h, Ũ, final state)``; with ``M`` it also takes the output (the
     output kernel's work, fused: ``(h, Ũ, final state, o)`` in ``out_dtype``), and then
-    ``store_h=False`` drops ``h`` and ``Ũ`` (``None`` in their places: a forward no backward reads).
+    ``store_h=False`` drops ``h`` and ``Ũ`` (``None`` in their places: a forward no backward reads);
+    ``final_only`` (no ``M``) stores the final state alone: ``(None, None, final state)``.
+    Runs on the whole sequence as ``s`` lays it out (:func:`_state_forward` splits it).
     In a ``jit`` of its own, as the forward kernels are (``_dce_able``)."""
     C, K, V, N, bv = s.cfg.chunk, s.K, s.V, s.N, s.bv
     nv = V // bv
-    out = kn.StateOut(h=store_h, o=M is not None, ut=store_h or M is None)
+    out = kn.StateOut(h=store_h and not final_only, o=M is not None,
+                      ut=(store_h or M is None) and not final_only)
     cols = kn.row_factors(s.cfg) == "columns"
     kout, qin = qk.kout, qk.qin
     out_shape = [jax.ShapeDtypeStruct(_chk_shape(s, K, V), s.state_dtype),  # h
@@ -330,9 +340,11 @@ def _output(s: Spec, qin, h, M, ut, out_dtype):
                  semantics=("parallel", "parallel", "parallel"))(qin, h, M, ut)
 
 
-def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT):
+def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT, *, stores=True):
+    """The backward state pass over the whole sequence as ``s`` lays it out: ``(dh, dŨ, dh0)``;
+    ``stores=False``: ``dh0`` alone (Triton or Mosaic TPU; :func:`_state_backward` splits it)."""
     C, K, V, N, bv = s.cfg.chunk, s.K, s.V, s.N, s.bv
-    if s.state_bwd == "mosaic":
+    if s.state_bwd == "mosaic" and stores:
         from . import mosaic_gpu
         qin, kout = qk.arrays(s, s.store_dtype)
         return mosaic_gpu.state_bwd(M, do, kout, qin, W, dend, dsT, chunk=C, state_dtype=s.state_dtype,
@@ -343,6 +355,7 @@ def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT):
     out_shape = [jax.ShapeDtypeStruct(_chk_shape(s, K, V), s.state_dtype),  # dh (grad of state after chunk n)
                  jax.ShapeDtypeStruct(_tok_shape(s, V), s.store_dtype),     # dŨ
                  jax.ShapeDtypeStruct((s.B, s.H, K, V), F32)]               # dh0
+    keep = slice(None) if stores else slice(2, 3)
     if s.target == "gpu":
         T = N * C
         fk = _tok_spec(s, T, K, lambda b, h, j: (b, 0, h, 0))
@@ -352,9 +365,10 @@ def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT):
         st = _state_spec(s, bv, lambda b, h, j: (b, h, j))
         fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
         f1 = [_tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))] * (2 if cols else 0)
-        return _call(s, functools.partial(kn.state_bwd_loop, s.cfg, N), grid=(s.B, s.H, nv),
-                     in_specs=[fc, fv, fk, fk, fk, fd, st] + f1, out_specs=[fh, fv, st], out_shape=out_shape,
-                     semantics=None, state=True)(*args)
+        res = _call(s, functools.partial(kn.state_bwd_loop, s.cfg, N, stores=stores), grid=(s.B, s.H, nv),
+                    in_specs=[fc, fv, fk, fk, fk, fd, st] + f1, out_specs=[fh, fv, st][keep],
+                    out_shape=out_shape[keep], semantics=None, state=True)(*args)
+        return tuple(res) if stores else (None, None, res[0])
     rev = lambda n: N - 1 - n  # noqa: E731
     ck = _tok_spec(s, C, K, lambda b, h, j, n: (b, rev(n), h, 0))
     cc = _tok_spec(s, C, C, lambda b, h, j, n: (b, rev(n), h, 0))
@@ -363,10 +377,122 @@ def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT):
     st = _state_spec(s, bv, lambda b, h, j, n: (b, h, j))
     ch = _chk_spec(s, None, K, bv, lambda b, h, j, n: (b, rev(n), h, j))
     c1 = [_tok_spec(s, C, 1, lambda b, h, j, n: (b, rev(n), h, 0))] * (2 if cols else 0)
-    return _call(s, functools.partial(kn.state_bwd_grid, s.cfg), grid=(s.B, s.H, nv, N),
-                 in_specs=[cc, cv, ck, ck, ck, cd, st] + c1, out_specs=[ch, cv, st], out_shape=out_shape,
-                 semantics=("parallel", "parallel", "parallel", "arbitrary"),
-                 scratch=[pltpu.VMEM((K, bv), F32)])(*args)
+    res = _call(s, functools.partial(kn.state_bwd_grid, s.cfg, stores=stores), grid=(s.B, s.H, nv, N),
+                in_specs=[cc, cv, ck, ck, ck, cd, st] + c1, out_specs=[ch, cv, st][keep],
+                out_shape=out_shape[keep], semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                scratch=[pltpu.VMEM((K, bv), F32)])(*args)
+    return tuple(res) if stores else (None, None, res[0])
+
+
+# ---------------------------------------------------------------------------
+# Split sequences: the state passes on P segments of every sequence at once.
+# ---------------------------------------------------------------------------
+# A state pass carries one state per (batch, head, value block) through all N chunks in order, so a
+# few long sequences leave most of the GPU idle while each program walks N dependent steps. The
+# state's chunk update is affine in the state, S ↦ A S + B (A: K×K, acting on the key rows of every
+# value column alike), so P segments can run at once: a first pass finds, from each segment's own
+# inputs, the state it ends in from zero (S_loc) and the map A of its start — the same kernel run
+# from the zero state beside the identity, with U beside zeros — then P small f32 products chain
+# the segments' true starts, and the ordinary pass runs on B·P sequences of N / P chunks from
+# them. The backward mirrors it with Aᵀ: each segment's gradient of its start from its own outputs,
+# chained from the last segment back, then the ordinary backward pass from the true terminal
+# gradients. The first passes store nothing but their final states; the forward's A is a residual.
+def _seg_spec(s: Spec) -> Spec:
+    """The spec the state passes run under: ``B·P`` sequences of ``N / P`` chunks."""
+    P = s.state_split
+    return dataclasses.replace(s, B=s.B * P, N=s.N // P, state_split=1)
+
+
+def _segs(s: Spec, x):
+    """A token (``[B, T, H, D]``) or chunk (``[B, N, H, R, D]``) array — head-major on TPUs — as
+    ``P`` segments of its sequence: ``[B·P, T / P, …]`` (a free reshape in the GPU layout)."""
+    P = s.state_split
+    if x is None or P == 1:
+        return x
+    if s.target == "gpu":
+        return x.reshape((x.shape[0] * P, x.shape[1] // P) + x.shape[2:])
+    B, H, L = x.shape[:3]
+    x = jnp.moveaxis(x.reshape((B, H, P, L // P) + x.shape[3:]), 2, 1)
+    return x.reshape((B * P, H, L // P) + x.shape[4:])
+
+
+def _unsegs(s: Spec, x):
+    """The inverse of :func:`_segs`."""
+    P = s.state_split
+    if x is None or P == 1:
+        return x
+    if s.target == "gpu":
+        return x.reshape((x.shape[0] // P, x.shape[1] * P) + x.shape[2:])
+    BP, H, L = x.shape[:3]
+    x = jnp.moveaxis(x.reshape((BP // P, P, H, L) + x.shape[3:]), 1, 2)
+    return x.reshape((BP // P, H, P * L) + x.shape[4:])
+
+
+def _seg_qk(s: Spec, qk: _QK) -> _QK:
+    return _QK(*(_segs(s, a) for a in qk))
+
+
+def _seg_maps(s: Spec, ss: Spec, W, U, qk: _QK, dend):
+    """Per segment (inputs already split): ``A [B, P, H, K, K]`` and ``S_loc [B, P, H, K, V]`` with
+    ``S_end = A S_start + S_loc`` — one final-state-only pass over ``V + K`` value columns: ``U``
+    beside zeros, from the zero state beside the identity."""
+    K, V, P = s.K, s.V, s.state_split
+    U1 = jnp.concatenate([U, jnp.zeros(U.shape[:-1] + (K,), U.dtype)], axis=-1)
+    h01 = jnp.concatenate([jnp.zeros((ss.B, s.H, K, V), F32),
+                           jnp.broadcast_to(jnp.eye(K, dtype=F32), (ss.B, s.H, K, K))], axis=-1)
+    s1 = dataclasses.replace(ss, V=V + K, bv=math.gcd(ss.bv, K))
+    fin = _state_fwd(s1, W, U1, qk, dend, h01, final_only=True)[2].reshape(s.B, P, s.H, K, V + K)
+    return fin[..., V:], fin[..., :V]
+
+
+def _hmm(a, b, transpose_a=False):
+    """``a b`` (``aᵀ b``) over ``[B, H, K, ·]`` blocks, float32 products."""
+    return jnp.einsum("bhji,bhjv->bhiv" if transpose_a else "bhij,bhjv->bhiv", a, b,
+                      precision=lax.Precision.HIGHEST)
+
+
+def _state_forward(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, store_h=True):
+    """:func:`_state_fwd` on the whole sequences, split into ``Spec.state_split`` segments where that
+    is more than one (above). Returns ``(_state_fwd's tuple, A)``, ``A`` the segments' maps (a
+    residual of the backward) or None."""
+    P = s.state_split
+    if P == 1:
+        return _state_fwd(s, W, U, qk, dend, h0, M, out_dtype=out_dtype, store_h=store_h), None
+    ss = _seg_spec(s)
+    W, U, M, dend = (_segs(s, a) for a in (W, U, M, dend))
+    qk = _seg_qk(s, qk)
+    A, S_loc = _seg_maps(s, ss, W, U, qk, dend)
+
+    def chain(S, x):  # S_{p+1} = A_p S_p + S_loc_p; emits S_p
+        a, sl = x
+        return _hmm(a, S) + sl, S
+
+    _, starts = lax.scan(chain, h0, (jnp.moveaxis(A, 1, 0), jnp.moveaxis(S_loc, 1, 0)))
+    starts = jnp.moveaxis(starts, 0, 1).reshape(ss.B, s.H, s.K, s.V)
+    res = _state_fwd(ss, W, U, qk, dend, starts, M, out_dtype=out_dtype, store_h=store_h)
+    final = res[2].reshape(s.B, P, s.H, s.K, s.V)[:, -1]
+    return (_unsegs(s, res[0]), _unsegs(s, res[1]), final) + tuple(_unsegs(s, o) for o in res[3:]), A
+
+
+def _state_backward(s: Spec, A, M, do, qk: _QK, W, dend, dsT):
+    """:func:`_state_bwd` on the whole sequences, split as the forward was (``A``: its maps)."""
+    P = s.state_split
+    if P == 1:
+        return _state_bwd(s, M, do, qk, W, dend, dsT)
+    ss = _seg_spec(s)
+    M, do, W, dend = (_segs(s, a) for a in (M, do, W, dend))
+    qk = _seg_qk(s, qk)
+    zero = jnp.zeros((ss.B, s.H, s.K, s.V), F32)
+    d_loc = _state_bwd(ss, M, do, qk, W, dend, zero, stores=False)[2].reshape(s.B, P, s.H, s.K, s.V)
+
+    def chain(G, x):  # G: the gradient of segment p's end state; emits it, carries segment p-1's
+        a, dl = x
+        return dl + _hmm(a, G, transpose_a=True), G
+
+    _, ends = lax.scan(chain, dsT, (jnp.moveaxis(A, 1, 0), jnp.moveaxis(d_loc, 1, 0)), reverse=True)
+    ends = jnp.moveaxis(ends, 0, 1).reshape(ss.B, s.H, s.K, s.V)
+    dh, dut, dh0 = _state_bwd(ss, M, do, qk, W, dend, ends)
+    return _unsegs(s, dh), _unsegs(s, dut), dh0.reshape(s.B, P, s.H, s.K, s.V)[:, 0]
 
 
 def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
@@ -428,9 +554,9 @@ def _forward(s: Spec, q, k, v, g, beta, doc, h0):
     W, U, M, qin, kout, dend, _ = _intra_fwd(s, q, k, v, g, beta, doc, residuals=False)
     qk = _qk(s, q, k, qin, kout)
     if s.fuse_output:
-        _, _, sT, o = _state_fwd(s, W, U, qk, dend, h0, M, out_dtype=q.dtype, store_h=False)
+        (_, _, sT, o), _ = _state_forward(s, W, U, qk, dend, h0, M, out_dtype=q.dtype, store_h=False)
     else:
-        h, ut, sT = _state_fwd(s, W, U, qk, dend, h0)
+        (h, ut, sT), _ = _state_forward(s, W, U, qk, dend, h0)
         o = _output(s, qk.arrays(s, s.store_dtype)[0], h, M, ut, q.dtype)
     return o, sT
 
@@ -450,20 +576,21 @@ def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
     W, M, qin, kout, dend, KK = (checkpoint_name(a, RESIDUALS) for a in (W, M, qin, kout, dend, KK))
     qk = _qk(s, q, k, qin, kout)
     if s.fuse_output:
-        h, ut, sT, o = _state_fwd(s, W, U, qk, dend, h0, M, out_dtype=q.dtype)
+        (h, ut, sT, o), A = _state_forward(s, W, U, qk, dend, h0, M, out_dtype=q.dtype)
         h, ut, o = (checkpoint_name(a, RESIDUALS) for a in (h, ut, o))
     else:
-        h, ut, sT = _state_fwd(s, W, U, qk, dend, h0)
+        (h, ut, sT), A = _state_forward(s, W, U, qk, dend, h0)
         h, ut = (checkpoint_name(a, RESIDUALS) for a in (h, ut))
         o = checkpoint_name(_output(s, qk.arrays(s, s.store_dtype)[0], h, M, ut, q.dtype), RESIDUALS)
-    return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut)  # U: not needed backward
+    A = None if A is None else checkpoint_name(A, RESIDUALS)
+    return (o, sT), (q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut, A)  # U: not needed backward
 
 
 def _chunked_bwd(s, res, cts):
-    q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut = res
+    q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut, A = res
     do, dsT = cts
     do = do.astype(q.dtype)
-    dh, dut, dh0 = _state_bwd(s, M, do, _qk(s, q, k, qin, kout), W, dend, dsT.astype(F32))
+    dh, dut, dh0 = _state_backward(s, A, M, do, _qk(s, q, k, qin, kout), W, dend, dsT.astype(F32))
     grads = _intra_bwd(s, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh)
     dq, dk, dv, dbeta = grads[:4]
     dg = grads[4] if g is not None else None
@@ -511,6 +638,20 @@ def default_bv(BH: int, V: int) -> int:
     while bv > 16 and BH * (V // bv) < STATE_PROGRAMS:
         bv //= 2
     return bv
+
+
+def default_state_split(target: str, BH: int, N: int, V: int) -> int:
+    """Segments the state passes split every sequence into (``state_split="auto"``; the mechanism:
+    :func:`_state_forward`). GPU: doubling while the passes would launch fewer than
+    ``SPLIT_PROGRAMS`` programs of 32 value columns and every segment keeps at least
+    ``SPLIT_MIN_CHUNKS`` chunks (P must divide the chunk count); TPU: 1."""
+    if target != "gpu":
+        return 1
+    P = 1
+    while (BH * P * max(V // 32, 1) < SPLIT_PROGRAMS and N % (2 * P) == 0
+           and N // (2 * P) >= SPLIT_MIN_CHUNKS):
+        P *= 2
+    return P
 
 
 def _mosaic_fits(C, K, V) -> bool:
@@ -599,7 +740,8 @@ def _check_gate_bound(g, gate, bound):
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, num_stages_state=None, state_dtype=None,
-             anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto", inverse="auto"):
+             anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto", inverse="auto",
+             state_split="auto"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     gate_bound = _check_gate_bound(g, gate, gate_lower_bound)
     if inverse != "auto" and inverse not in INVERSES:
@@ -648,8 +790,14 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`fuse_output` must be True or False, got {fuse_output!r}")
     if state_bwd not in STATE_BWD:
         raise ValueError(f"`state_bwd` must be one of {STATE_BWD}, got {state_bwd!r}")
+    if state_split == "auto":
+        state_split = default_state_split(target, B * H, N, V)
+    elif isinstance(state_split, bool) or not isinstance(state_split, int) or state_split < 1 or N % state_split:
+        raise ValueError(f"`state_split` must be 'auto' or a positive int dividing the number of chunks "
+                         f"(T = {T} is {N} chunks of {C}), got {state_split!r}")
+    BHs = B * state_split * H  # sequences × heads the state passes run on
     if state_bwd == "auto":
-        state_bwd = "triton" if target == "tpu" else default_state_bwd(B * H, C, K, V, io_dtype, bool(interpret),
+        state_bwd = "triton" if target == "tpu" else default_state_bwd(BHs, C, K, V, io_dtype, bool(interpret),
                                                                            _on_hopper())
     elif state_bwd == "mosaic":
         if target != "gpu":
@@ -666,14 +814,14 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         if w is not None and w not in (1, 2, 4, 8, 16):
             raise ValueError(f"`{name}` must be 1, 2, 4, 8 or 16 (warps per program), got {w!r}")
     if bv is None:
-        bv = V if target == "tpu" else default_bv(B * H, V)
+        bv = V if target == "tpu" else default_bv(BHs, V)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
              store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
              num_warps=num_warps, num_warps_state=num_warps_state,
              num_stages_state=STATE_STAGES if num_stages_state is None else int(num_stages_state),
              num_warps_scores=(default_warps_scores(cfg.gate, num_warps) if num_warps_scores is None
                                else int(num_warps_scores)),
-             anchored_bwd=anchored_bwd, fuse_output=fuse_output, state_bwd=state_bwd)
+             anchored_bwd=anchored_bwd, fuse_output=fuse_output, state_bwd=state_bwd, state_split=state_split)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)

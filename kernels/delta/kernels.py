@@ -239,29 +239,35 @@ def _bwd_refs(cfg: Cfg, refs, n_out: int):
     return ins, refs[n_in:n_in + n_out] if n_out else refs[n_in:]
 
 
-def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs):
+def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs, stores: bool = True):
     """GPU: one program per ``(b, h, value block)`` carries ``dS`` back through the chunks; ``q_in``
-    and ``k_out`` as :func:`row_factors` says."""
-    ins, (dh_ref, dut_ref, dh0_ref) = _bwd_refs(cfg, refs, 3)
+    and ``k_out`` as :func:`row_factors` says. ``stores=False``: ``dh0`` is the only output (no
+    per-chunk ``dh``, no ``dŨ``: the first pass of a split sequence, ``api._state_bwd_split``)."""
+    ins, outs = _bwd_refs(cfg, refs, 3 if stores else 1)
+    dh_ref, dut_ref, dh0_ref = outs if stores else (None, None, outs[0])
     m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref, ein_ref, eout_ref = ins
     C = cfg.chunk
 
     def body(i, dS):
         n = n_chunks - 1 - i
-        dh_ref[n] = dS.astype(dh_ref.dtype)
+        if dh_ref is not None:
+            dh_ref[n] = dS.astype(dh_ref.dtype)
         rows = pl.ds(pl.multiple_of(n * C, C), C)
         dut, dS = state_bwd_step(cfg, dS, m_ref[rows, :], do_ref[rows, :], ko_ref[rows, :], qi_ref[rows, :],
                                  w_ref[rows, :], dend_ref[n].astype(F32), _ein(cfg, ein_ref, rows),
                                  _rows(eout_ref, rows))
-        dut_ref[rows, :] = dut.astype(dut_ref.dtype)
+        if dut_ref is not None:
+            dut_ref[rows, :] = dut.astype(dut_ref.dtype)
         return dS
 
     dh0_ref[...] = lax.fori_loop(0, n_chunks, body, dst_ref[...].astype(F32)).astype(dh0_ref.dtype)
 
 
-def state_bwd_grid(cfg: Cfg, *refs):
-    """TPU: the chunk axis is the last grid axis, ``dS`` lives in a VMEM scratch buffer."""
-    ins, (dh_ref, dut_ref, dh0_ref, s_scr) = _bwd_refs(cfg, refs, 4)
+def state_bwd_grid(cfg: Cfg, *refs, stores: bool = True):
+    """TPU: the chunk axis is the last grid axis, ``dS`` lives in a VMEM scratch buffer; ``stores`` as
+    in :func:`state_bwd_loop`."""
+    ins, outs = _bwd_refs(cfg, refs, 4 if stores else 2)
+    dh_ref, dut_ref, dh0_ref, s_scr = outs if stores else (None, None, *outs)
     m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref, ein_ref, eout_ref = ins
     i = pl.program_id(3)
     every = slice(None)
@@ -271,10 +277,12 @@ def state_bwd_grid(cfg: Cfg, *refs):
         s_scr[...] = dst_ref[...].astype(F32)
 
     dS = s_scr[...]
-    dh_ref[...] = dS.astype(dh_ref.dtype)
+    if dh_ref is not None:
+        dh_ref[...] = dS.astype(dh_ref.dtype)
     dut, dS = state_bwd_step(cfg, dS, m_ref[...], do_ref[...], ko_ref[...], qi_ref[...], w_ref[...],
                              dend_ref[...].astype(F32), _ein(cfg, ein_ref, every), _rows(eout_ref, every))
-    dut_ref[...] = dut.astype(dut_ref.dtype)
+    if dut_ref is not None:
+        dut_ref[...] = dut.astype(dut_ref.dtype)
     s_scr[...] = dS
 
     @pl.when(i == pl.num_programs(3) - 1)

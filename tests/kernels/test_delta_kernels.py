@@ -227,6 +227,40 @@ def test_forward_alone_matches_the_reference(target, fuse, rule):
         kd.chunk_kda(q, k, v, g, beta, target=target, interpret=True, fuse_output=1)
 
 
+@pytest.mark.parametrize("rule,target,dtype", [("delta", "gpu", "float32"), ("kda", "gpu", "float32"),
+                                               ("gdn", "gpu", "bfloat16"), ("kda_bounded", "tpu", "float32")])
+def test_split_state_passes(rule, target, dtype):
+    """``state_split=P``: the state passes run P segments of every sequence at once — a first pass
+    finds each segment's map of its start state, P small products chain the true starts (the
+    backward: the gradients of the segments' ends, from the last back), then the ordinary passes run
+    on B·P sequences (``api._state_forward``). Forward, final state and every gradient, the initial
+    state's included, equal the reference's, with resets inside and on the segments' edges. T = 75:
+    three 32-token chunks on the GPU flavour (P = 3, a segment per chunk), two of 64 on the TPU
+    flavour (P = 2, head-major segments)."""
+    x = make_inputs(9, dtype=jnp.dtype(dtype))
+    P = 3 if target == "gpu" else 2
+    check(rule, x, True, 1e-4 if dtype == "float32" else 1e-2, target=target, tuning=(("state_split", P),))
+
+
+def test_default_state_split():
+    """``default_state_split``: on GPUs, segments double while the passes launch fewer than
+    ``SPLIT_PROGRAMS`` programs of 32 value columns and each keeps ``SPLIT_MIN_CHUNKS`` chunks;
+    never on TPUs; an explicit P must divide the chunk count (named in the error)."""
+    from kernels.delta import api
+    n, m = api.SPLIT_PROGRAMS, api.SPLIT_MIN_CHUNKS
+    assert api.default_state_split("gpu", 16, 1024, 128) == n // 64          # (1, 32768) x 16 heads
+    assert api.default_state_split("gpu", n // 4, 1024, 128) == 1            # enough programs already
+    assert api.default_state_split("gpu", 1, 2 * m, 128) == 2                # segments keep m chunks
+    assert api.default_state_split("gpu", 1, 2 * m - 2, 128) == 1
+    assert api.default_state_split("gpu", 1, 2 * m + 1, 128) == 1            # P must divide N
+    assert api.default_state_split("tpu", 1, 1024, 128) == 1
+    x = make_inputs(6)
+    q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
+    for bad in (2, 0, 1.5, True, "four"):  # T = 75: 3 chunks of 32
+        with pytest.raises(ValueError, match="state_split"):
+            kd.chunk_delta_rule(q, k, v, beta, target="gpu", state_split=bad)
+
+
 def test_block_merge_inverse_on_gpu_flavour():
     """``inverse="blocks"``: the diagonal tiles' ``(I + A)⁻¹`` by block merges instead of forward
     substitution (the default, tested above) — the same forward, final state and gradients."""
@@ -316,11 +350,13 @@ def test_value_blocks_narrower_than_the_value_dim(bv, stages):
         assert rel_err(a, b) <= 1e-4
 
 
-@pytest.mark.parametrize("rule,dtype", [("delta", "float32"), ("kda", "float32"), ("gdn", "bfloat16")])
-def test_mosaic_backward_state_pass_in_the_vjp(rule, dtype):
+@pytest.mark.parametrize("rule,dtype,split", [("delta", "float32", 1), ("kda", "float32", 1), ("gdn", "bfloat16", 1),
+                                              ("kda", "bfloat16", 3)])
+def test_mosaic_backward_state_pass_in_the_vjp(rule, dtype, split):
     """``state_bwd="mosaic"``: the backward state pass on the Mosaic GPU lowering inside the
     ``custom_vjp`` (compiled on a GPU, its interpreter elsewhere) — the forward, final state and every
-    gradient equal the reference's, with resets, an initial state and T not a multiple of the chunk.
+    gradient equal the reference's, with resets, an initial state and T not a multiple of the chunk;
+    also on a split sequence (``state_split``: its second backward pass on Mosaic GPU).
     K = V = 64: the widths its wgmma tiles take."""
     r = np.random.default_rng(8)
     Bs, Ts, Hs, D = 1, 70, 2, 64
@@ -342,7 +378,7 @@ def test_mosaic_backward_state_pass_in_the_vjp(rule, dtype):
 
     kern = lambda q, k, v, g, beta, S0: kd._delta(  # noqa: E731
         q, k, v, g, beta, gate=gate, scale=None, initial_state=S0, segment_ids=seg, chunk_size=None,
-        target="gpu", interpret=_interpret("gpu"), state_bwd="mosaic")
+        target="gpu", interpret=_interpret("gpu"), state_bwd="mosaic", state_split=split)
     ref = lambda q, k, v, g, beta, S0: kref.recurrent(q, k, v, beta, g, initial_state=S0,  # noqa: E731
                                                       segment_ids=seg)
     (_, out1), g1 = loss(kern)(*args)
@@ -427,24 +463,25 @@ def test_scores_kernel_warps_follow_the_gate(rule, warps):
         launches(num_warps_scores=3)
 
 
-@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("fuse,split", [(True, 1), (False, 1), (True, 3)])
 @pytest.mark.parametrize("policy", ["names", "nothing"])
-def test_remat_runs_each_kernel_once_when_the_residuals_are_saved(policy, fuse):
+def test_remat_runs_each_kernel_once_when_the_residuals_are_saved(policy, fuse, split):
     """Under ``jax.checkpoint`` with the kernels' named residuals saved, the backward pass reruns
     no forward kernel (2 forward launches with the output fused into the state pass, 3 without; 3
-    backward); saving nothing reruns the forward ones (JAX keeps a bare ``pallas_call`` even when its
-    outputs are unused: the launches are wrapped so that an unused recomputation is dropped)."""
+    backward; a split sequence adds a first state pass to each direction, and its segments' maps are
+    a named residual); saving nothing reruns the forward ones (JAX keeps a bare ``pallas_call`` even
+    when its outputs are unused: the launches are wrapped so that an unused recomputation is dropped)."""
     x = make_inputs(0)
     q, k, v, g, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta"))
     pol = {"names": jax.checkpoint_policies.save_only_these_names(kd.RESIDUALS),
            "nothing": jax.checkpoint_policies.nothing_saveable}[policy]
 
     def f(q):
-        o, _ = kd.chunk_kda(q, k, v, g, beta, target="gpu", interpret=True, fuse_output=fuse)
+        o, _ = kd.chunk_kda(q, k, v, g, beta, target="gpu", interpret=True, fuse_output=fuse, state_split=split)
         return jnp.sum(jnp.sin(o))
     jaxpr = jax.make_jaxpr(jax.value_and_grad(jax.checkpoint(f, policy=pol)))(q).jaxpr
-    fwd = 2 if fuse else 3
-    assert live_pallas_calls(jaxpr) == {"names": fwd + 3, "nothing": 2 * fwd + 3}[policy]
+    fwd, bwd = (2 if fuse else 3) + (split > 1), 3 + (split > 1)
+    assert live_pallas_calls(jaxpr) == {"names": fwd + bwd, "nothing": 2 * fwd + bwd}[policy]
 
 
 def test_anchored_bwd_rejects_unknown_value():
