@@ -24,7 +24,7 @@ import time
 GATES = ("none", "gdn", "kda", "kda_bounded")
 
 
-def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None):
+def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None, bv=None):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering as L
@@ -52,7 +52,8 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
 
         def f(q, k, v, g, b, S, seg):
             kw = dict(initial_state=S, segment_ids=seg if docs else None, target="gpu", interpret=False,
-                      chunk_size=chunk_size, **({} if inverse is None else {"inverse": inverse}))
+                      chunk_size=chunk_size, **({} if inverse is None else {"inverse": inverse}),
+                      **({} if bv is None else {"bv": bv}))
 
             def loss(q, k, v, g, b, S):
                 if gate == "kda":
@@ -97,7 +98,7 @@ def ptxas_usage(kernel) -> str:
             f"spill_st={spill.group(1) if spill else '?'}B spill_ld={spill.group(2) if spill else '?'}B")
 
 
-def compile_all(outdir, num_warps=4, label="", num_warps_scores=None):
+def compile_all(outdir, num_warps=4, label="", num_warps_scores=None, num_warps_state=None):
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -114,6 +115,8 @@ def compile_all(outdir, num_warps=4, label="", num_warps_scores=None):
             stages = api.STATE_STAGES if "_state_" in name else 1
             # ... and its warps: the backward's scores kernel may run wider (api.default_warps_scores)
             warps = num_warps_scores if num_warps_scores and "intra_bwd_scores" in name else num_warps
+            if num_warps_state and "_state_" in name:
+                warps = num_warps_state
             k = triton.compile(os.path.join(outdir, name), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": warps, "num_stages": stages})
             dt = time.time() - t
@@ -135,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--num_warps", type=int, default=4)
     ap.add_argument("--anchored_bwd", default=None, help="kda_bounded: none | scores (default: the API's)")
     ap.add_argument("--inverse", default=None, help="loop | blocks (default: the API's)")
+    ap.add_argument("--bv", type=int, default=None, help="the state passes' value block (default: the API's)")
+    ap.add_argument("--num_warps_state", type=int, default=None, help="the state passes' warps (default: --num_warps)")
     ap.add_argument("--keep_cache", action="store_true",
                     help="use Triton's cache (default: a fresh one, so that every compile is timed)")
     args = ap.parse_args(argv)
@@ -156,11 +161,11 @@ def main(argv=None):
                 label = f"[{gate} {dtype} C={chunk or 'default'}{' docs' if args.docs else ''}] "
                 with tempfile.TemporaryDirectory() as d:
                     n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk, args.anchored_bwd,
-                                   args.inverse)
+                                   args.inverse, args.bv)
                     print(f"{label}{n} kernels lowered", flush=True)
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,
-                                              api.default_warps_scores(kind, args.num_warps))
+                                              api.default_warps_scores(kind, args.num_warps), args.num_warps_state)
                     ok = ok and good
                     summary.append((label, times))
     print("\ncompile seconds per kernel:")
