@@ -93,10 +93,13 @@ RESIDUALS = "delta_rule_residuals"  # checkpoint_name of the forward kernels' ou
 # with the threshold below (the measurements behind it: this module's docstring).
 STATE_BWD = ("auto", "triton", "mosaic")
 MOSAIC_BWD_PROGRAMS = 128
-# GPU state passes on few long sequences: split each into segments (default_state_split) until the
-# passes launch SPLIT_PROGRAMS programs of 32 value columns, keeping SPLIT_MIN_CHUNKS chunks a segment.
-SPLIT_PROGRAMS = 512
+# GPU state passes on few long sequences (default_state_split): where unsplit they would launch fewer
+# than STATE_PROGRAMS programs of 32 value columns, split each sequence into segments until there are
+# SPLIT_SEQUENCES segments × heads, keeping SPLIT_MIN_CHUNKS chunks a segment, and run them SPLIT_BV
+# value columns wide (one program holds the whole 128 × 128 state, 8 warps: default_warps_state).
+SPLIT_SEQUENCES = 128
 SPLIT_MIN_CHUNKS = 32
+SPLIT_BV = 128
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
                        # values they scale before products go subnormal (flushed on tensor cores)
 
@@ -642,16 +645,25 @@ def default_bv(BH: int, V: int) -> int:
 
 def default_state_split(target: str, BH: int, N: int, V: int) -> int:
     """Segments the state passes split every sequence into (``state_split="auto"``; the mechanism:
-    :func:`_state_forward`). GPU: doubling while the passes would launch fewer than
-    ``SPLIT_PROGRAMS`` programs of 32 value columns and every segment keeps at least
-    ``SPLIT_MIN_CHUNKS`` chunks (P must divide the chunk count); TPU: 1."""
-    if target != "gpu":
+    :func:`_state_forward`). GPU, where the unsplit passes would launch fewer than ``STATE_PROGRAMS``
+    programs of 32 value columns (few long sequences): doubling until ``SPLIT_SEQUENCES`` segments ×
+    heads, while every segment keeps ``SPLIT_MIN_CHUNKS`` chunks and P divides the chunk count; the
+    split passes then run ``SPLIT_BV``-wide value blocks (:func:`_prepare`). Elsewhere, and on TPUs, 1.
+    Paired on one H200 at (1, 32768), H 16 (bf16, fwd+bwd, split / unsplit): P = 8 with 128-wide
+    blocks 0.92 (DeltaNet), 0.89 (GDN), 0.95 (KDA exact and bounded); P = 16 0.97, P = 4 1.00; P = 8
+    with 32-wide blocks 1.00. Splitting (2, 8192) was slower (P = 4: 1.09–1.17)."""
+    if target != "gpu" or BH * max(V // 32, 1) >= STATE_PROGRAMS:
         return 1
     P = 1
-    while (BH * P * max(V // 32, 1) < SPLIT_PROGRAMS and N % (2 * P) == 0
-           and N // (2 * P) >= SPLIT_MIN_CHUNKS):
+    while BH * P < SPLIT_SEQUENCES and N % (2 * P) == 0 and N // (2 * P) >= SPLIT_MIN_CHUNKS:
         P *= 2
     return P
+
+
+def default_warps_state(bv: int) -> int:
+    """GPU: warps of the state passes: 8 for value blocks of 128 columns or more (a 128 × 128 float32
+    state is 64 registers per thread at 8 warps; ptxas, bf16 DeltaNet: 255 registers, no spills), else 4."""
+    return 8 if bv >= 128 else 4
 
 
 def _mosaic_fits(C, K, V) -> bool:
@@ -739,7 +751,7 @@ def _check_gate_bound(g, gate, bound):
 
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
-             gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=4, num_stages_state=None, state_dtype=None,
+             gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto", inverse="auto",
              state_split="auto"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
@@ -814,7 +826,9 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         if w is not None and w not in (1, 2, 4, 8, 16):
             raise ValueError(f"`{name}` must be 1, 2, 4, 8 or 16 (warps per program), got {w!r}")
     if bv is None:
-        bv = V if target == "tpu" else default_bv(BHs, V)
+        bv = V if target == "tpu" else (min(V, SPLIT_BV) if state_split > 1 else default_bv(BHs, V))
+    if num_warps_state is None:
+        num_warps_state = default_warps_state(bv)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
              store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
              num_warps=num_warps, num_warps_state=num_warps_state,

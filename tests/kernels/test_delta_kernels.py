@@ -243,17 +243,25 @@ def test_split_state_passes(rule, target, dtype):
 
 
 def test_default_state_split():
-    """``default_state_split``: on GPUs, segments double while the passes launch fewer than
-    ``SPLIT_PROGRAMS`` programs of 32 value columns and each keeps ``SPLIT_MIN_CHUNKS`` chunks;
-    never on TPUs; an explicit P must divide the chunk count (named in the error)."""
+    """``default_state_split``: on GPUs, only where the unsplit passes would launch fewer than
+    ``STATE_PROGRAMS`` programs of 32 value columns; then segments double until ``SPLIT_SEQUENCES``
+    segments × heads while each keeps ``SPLIT_MIN_CHUNKS`` chunks and P divides the chunk count; the
+    split passes run ``SPLIT_BV`` columns wide on 8 warps. Never on TPUs; an explicit P must divide
+    the chunk count (named in the error)."""
     from kernels.delta import api
-    n, m = api.SPLIT_PROGRAMS, api.SPLIT_MIN_CHUNKS
-    assert api.default_state_split("gpu", 16, 1024, 128) == n // 64          # (1, 32768) x 16 heads
-    assert api.default_state_split("gpu", n // 4, 1024, 128) == 1            # enough programs already
+    m, n = api.SPLIT_MIN_CHUNKS, api.SPLIT_SEQUENCES
+    assert api.default_state_split("gpu", 16, 1024, 128) == n // 16          # (1, 32768) x 16 heads
+    assert api.default_state_split("gpu", 32, 1024, 128) == 1                # (2, 8192): 128 programs
     assert api.default_state_split("gpu", 1, 2 * m, 128) == 2                # segments keep m chunks
     assert api.default_state_split("gpu", 1, 2 * m - 2, 128) == 1
     assert api.default_state_split("gpu", 1, 2 * m + 1, 128) == 1            # P must divide N
     assert api.default_state_split("tpu", 1, 1024, 128) == 1
+    assert api.default_warps_state(128) == 8 and api.default_warps_state(32) == 4
+    big = jnp.zeros((1, 32768, 16, 128), jnp.bfloat16)
+    s, _ = api._debug_spec(big, big, big, None, big[..., 0])
+    assert (s.state_split, s.bv, s.num_warps_state) == (n // 16, api.SPLIT_BV, 8)
+    s, _ = api._debug_spec(big[:, :256], big[:, :256], big[:, :256], None, big[:, :256, :, 0])
+    assert (s.state_split, s.bv, s.num_warps_state) == (1, 16, 4)
     x = make_inputs(6)
     q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
     for bad in (2, 0, 1.5, True, "four"):  # T = 75: 3 chunks of 32
