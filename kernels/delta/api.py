@@ -11,7 +11,8 @@ the CPU with the same code. Mosaic GPU has no ``dot_general``: its kernels are w
 warpgroup level (explicit SMEM tiles, TMA copies, barriers, 64-row ``wgmma`` tiles), so they cannot
 share a body with the TPU kernels; the intra-chunk kernels stay on Triton until they are ported.
 The state passes, the latency-bound loops where wgmma and TMA should pay most, exist on both
-lowerings (same arguments and results). Timed alone on one H200 (bf16, H 16, D 128, ms, Mosaic GPU
+lowerings (same arguments and results); on few long sequences they run split into segments
+(``state_split``: "Split sequences" below). Timed alone on one H200 (bf16, H 16, D 128, ms, Mosaic GPU
 / Triton): forward 0.43 / 0.54 at (2, 8192) and 0.29 / 0.32 at (8, 2048); backward 0.55 / 0.59 and
 0.38 / 0.36 — differences within the run-to-run spread of single kernels (±20%). Inside the whole
 fwd+bwd the Mosaic GPU backward pass was faster at (8, 2048) (256 programs: DeltaNet 2.58 against
@@ -900,6 +901,10 @@ _DOC = """
       target: ``"gpu"`` (Triton-lowered kernels) or ``"tpu"`` (Mosaic-lowered
       kernels); default from ``jax.default_backend()``. interpret: run the kernels
       in the Pallas interpreter (default: on the CPU).
+      **tuning: launch knobs, each with a measured default — ``bv``, ``num_warps``,
+      ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``state_dtype``,
+      ``fuse_output``, ``state_bwd``, ``inverse`` and ``state_split`` (``"auto"`` or P: the
+      state passes run P segments of every sequence at once; P divides the chunk count).
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """
