@@ -24,7 +24,8 @@ Correctness is read from the timed functions themselves: each fwd+bwd jit return
 ``(o, S, grads)`` and the Pallas results are compared with the XLA chunked form at the
 benchmark shape (``check_at_bench_shape`` in the JSON, bf16 tolerance 1e-2). One jit per
 (rule, method, mode) keeps Triton compiles (tens of seconds each) to a minimum. ``--parts check`` adds a small-shape f32/bf16 check with resets and an initial
-state; ``--parts stages`` times the five Pallas kernels one by one; ``--parts mosaic`` times the
+state; ``--parts stages`` times the five Pallas kernels one by one (at ``--stages_shapes``, default
+(2, 8192); state passes as the rule runs them, split where ``state_split`` says); ``--parts mosaic`` times the
 Mosaic GPU state passes (``kernels.delta.mosaic_gpu``) beside the Triton ones and compares them;
 ``--parts ab --ab KNOBS`` times the Pallas kernels with ``--pallas_tuning`` (A) against the same with
 ``KNOBS`` changed (B) in one process, in alternating rounds, and reports each round's ratio B / A
@@ -37,6 +38,8 @@ Usage (on the device; fla-core installed with ``--target`` from a carried wheel)
     python -m experiments.kernel_bench --rules gdn,kdab --pallas_chunk 64   # a subset, 64-token chunks
     python -m experiments.kernel_bench --methods pallas,fla --fla_cache fla_cache   # fla's autotuning kept
     python -m experiments.kernel_bench --parts ab --ab fuse_output=0 --rules delta,gdn   # a knob, paired
+    python -m experiments.kernel_bench --parts ab --shapes 1,32768 --pallas_tuning state_split=1 \
+        --ab state_split=8,bv=128,num_warps_state=8                        # split state passes, paired
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` under ``--out``.
 """
@@ -259,9 +262,8 @@ def part_check(results, rules=RULES, chunk_size=None):
     return all(v.get("pass") for v in out.values())
 
 
-def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
-    """Per-kernel times of the Pallas kernels at one shape (``results["stages"]`` for (2, 8192),
-    ``results["stages_B_T"]`` for the others)."""
+def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None, key="stages"):
+    """Per-kernel times of the Pallas kernels at one shape, into ``results[key]``."""
     from kernels.delta import api
     out = {}
     x = make_inputs(B, T)
@@ -301,7 +303,7 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None):
             except Exception as ex:  # noqa: BLE001
                 traceback.print_exc()
                 out[f"{rule}/warps{nw}"] = {"error": repr(ex)[:2000]}
-    results["stages" if (B, T) == (2, 8192) else f"stages_{B}_{T}"] = out
+    results[key] = out
 
 
 def part_mosaic(results, shapes, reps):
@@ -616,7 +618,7 @@ def main(argv=None):
                     help="--parts ab: which of " + ",".join(AB_MODES) + " to time (comma-separated)")
     ap.add_argument("--pallas_tuning", default="",
                     help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores,"
-                         "fuse_output=0,state_bwd=triton,inverse=loop")
+                         "fuse_output=0,state_bwd=triton,inverse=loop,state_split=8 (or auto)")
     args = ap.parse_args(argv)
     rules = tuple(args.rules.split(","))
     for r in rules:
@@ -676,9 +678,9 @@ def main(argv=None):
         part_bench(results, shapes[:1], reps, ours, pallas_ok, over, rules, pc)
         save()
     if "stages" in parts and not over():
-        for shape in args.stages_shapes.split(";"):
+        for i, shape in enumerate(args.stages_shapes.split(";")):  # the first under "stages", then "stages_B_T"
             b, t = (int(u) for u in shape.split(","))
-            part_stages(results, b, t, rules=rules, chunk_size=pc)
+            part_stages(results, b, t, rules=rules, chunk_size=pc, key="stages" if i == 0 else f"stages_{b}_{t}")
             save()
     if "mosaic" in parts and not over():
         part_mosaic(results, shapes, reps)

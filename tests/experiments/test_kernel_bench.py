@@ -18,7 +18,10 @@ def tiny(monkeypatch):
 
 
 @pytest.mark.slow  # the script's per-kernel timing loop; the kernels' values are test_check_... and tests/kernels
-def test_stages_times_every_kernel(tiny):
+@pytest.mark.parametrize("split", [1, 2])
+def test_stages_times_every_kernel(tiny, monkeypatch, split):
+    """Every kernel timed alone; with ``state_split=2`` the state passes as the split rule runs them."""
+    monkeypatch.setitem(kb.PALLAS_TUNING, "state_split", split)
     res = {}
     kb.part_stages(res, B=1, T=64, rules=("delta", "gdn", "kdab"), chunk_size=32)
     assert set(res["stages"]) == {"delta/warps4", "gdn/warps4", "kdab/warps4"}
@@ -38,7 +41,8 @@ def test_check_compares_pallas_with_xla(tiny, monkeypatch):
 
 @pytest.mark.parametrize("tuning, message", [("anchored_bwd=all", "anchored_bwd must be one of"),
                                              ("bv=x", "bv must be an integer"), ("bv", "knob=value"),
-                                             ("warps=8", "unknown knob")])
+                                             ("warps=8", "unknown knob"),
+                                             ("state_split=half", "state_split must be an integer")])
 def test_bad_tuning_flags_are_named(tuning, message, capsys):
     with pytest.raises(SystemExit):
         kb.main(["--pallas_tuning", tuning, "--out", "unused"])
