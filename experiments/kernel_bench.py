@@ -570,13 +570,14 @@ def plot(results, path):
 
 def parse_tuning(ap, flag, text) -> dict:
     """``knob=value,...`` of the Pallas launch knobs, validated (``ap.error`` naming ``flag``)."""
-    from kernels.delta.api import ANCHORED_BWD, INVERSES, STATE_BWD
+    from kernels.delta.api import ANCHORED_BWD, GRID_ORDERS, INVERSES, STATE_BWD
     out = {}
     for item in filter(None, text.split(",")):
         key, sep, val = item.partition("=")
         if not sep:
             ap.error(f"{flag}: expected knob=value items, got {item!r}")
-        choices = {"anchored_bwd": ANCHORED_BWD, "state_bwd": STATE_BWD, "inverse": ("auto",) + INVERSES}
+        choices = {"anchored_bwd": ANCHORED_BWD, "state_bwd": STATE_BWD, "inverse": ("auto",) + INVERSES,
+                   "grid_order": GRID_ORDERS}
         if key in choices:
             if val not in choices[key]:
                 ap.error(f"{flag}: {key} must be one of {choices[key]}, got {val!r}")
@@ -618,7 +619,7 @@ def main(argv=None):
                     help="--parts ab: which of " + ",".join(AB_MODES) + " to time (comma-separated)")
     ap.add_argument("--pallas_tuning", default="",
                     help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores,"
-                         "fuse_output=0,state_bwd=triton,inverse=loop,state_split=8 (or auto)")
+                         "fuse_output=0,state_bwd=triton,inverse=loop,state_split=8 (or auto),grid_order=nbh")
     args = ap.parse_args(argv)
     rules = tuple(args.rules.split(","))
     for r in rules:

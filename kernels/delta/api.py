@@ -93,6 +93,10 @@ RESIDUALS = "delta_rule_residuals"  # checkpoint_name of the forward kernels' ou
 # ring, wgmma with dS as the accumulator, one warpgroup per 64 value columns). "auto": default_state_bwd,
 # with the threshold below (the measurements behind it: this module's docstring).
 STATE_BWD = ("auto", "triton", "mosaic")
+# The parallel kernels' grid (batch, head, chunk) in launch order: on GPUs the first axis is the
+# fastest-varying launch index (Triton's program id 0, CUDA's x), on TPUs the outermost loop. The
+# kernels read their blocks through index maps, so any order gives the same results.
+GRID_ORDERS = ("bhn", "bnh", "hbn", "hnb", "nbh", "nhb")
 MOSAIC_BWD_PROGRAMS = 128
 # GPU state passes on few long sequences (default_state_split): where unsplit they would launch fewer
 # than STATE_PROGRAMS programs of 32 value columns, split each sequence into segments until there are
@@ -127,8 +131,9 @@ class Spec:
     anchored_bwd: str = "scores"  # per-channel gates: whether the backward's scores kernel anchors (ANCHORED_BWD)
     fuse_output: bool = True  # the forward state pass takes the output (no output kernel; see _state_fwd)
     state_bwd: str = "triton"  # GPU: lowering of the backward state pass, "triton" or "mosaic" (STATE_BWD)
-    state_split: int = 1  # segments the state passes split each sequence into (_state_fwd_split); B, N, bv
+    state_split: int = 1  # segments the state passes split each sequence into (_state_forward); B, N, bv
                           # and state_bwd above describe the whole sequence, the passes run on B·P, N / P
+    grid_order: str = "bhn"  # launch order of the intra-chunk and output kernels' grid (GRID_ORDERS)
 
 
 # ---------------------------------------------------------------------------
@@ -185,10 +190,25 @@ def _params(s: Spec, semantics, state=False, warps=None):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
+def _reorder(s: Spec, grid, in_specs, out_specs):
+    """A ``(b, h, n)`` grid and its block specs launched in ``s.grid_order`` (:data:`GRID_ORDERS`)."""
+    perm = tuple("bhn".index(a) for a in s.grid_order)   # launch axis j runs (b, h, n)[perm[j]]
+    pos = tuple(s.grid_order.index(a) for a in "bhn")    # (b, h, n)[i] is launch axis pos[i]
+
+    def spec(bs):
+        f = bs.index_map
+        return pl.BlockSpec(bs.block_shape, lambda *ids: f(*(ids[pos[i]] for i in range(3))))
+
+    outs = [spec(b) for b in out_specs] if isinstance(out_specs, (list, tuple)) else spec(out_specs)
+    return tuple(grid[p] for p in perm), [spec(b) for b in in_specs], outs
+
+
 def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, state=False, scratch=(), warps=None):
     kw = {}
     if scratch:
         kw["scratch_shapes"] = list(scratch)
+    if s.grid_order != "bhn" and semantics == ("parallel",) * 3 and not state:  # the (b, h, n) parallel grids
+        grid, in_specs, out_specs = _reorder(s, grid, in_specs, out_specs)
     return pl.pallas_call(
         body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=_params(s, semantics, state, warps), interpret=s.interpret, **kw)
@@ -754,8 +774,10 @@ def _check_gate_bound(g, gate, bound):
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto", inverse="auto",
-             state_split="auto"):
+             state_split="auto", grid_order="bhn"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
+    if grid_order not in GRID_ORDERS:
+        raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
     gate_bound = _check_gate_bound(g, gate, gate_lower_bound)
     if inverse != "auto" and inverse not in INVERSES:
         raise ValueError(f"`inverse` must be 'auto' or one of {INVERSES}, got {inverse!r}")
@@ -836,7 +858,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              num_stages_state=STATE_STAGES if num_stages_state is None else int(num_stages_state),
              num_warps_scores=(default_warps_scores(cfg.gate, num_warps) if num_warps_scores is None
                                else int(num_warps_scores)),
-             anchored_bwd=anchored_bwd, fuse_output=fuse_output, state_bwd=state_bwd, state_split=state_split)
+             anchored_bwd=anchored_bwd, fuse_output=fuse_output, state_bwd=state_bwd, state_split=state_split,
+             grid_order=grid_order)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)
@@ -903,8 +926,9 @@ _DOC = """
       in the Pallas interpreter (default: on the CPU).
       **tuning: launch knobs, each with a measured default — ``bv``, ``num_warps``,
       ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``state_dtype``,
-      ``fuse_output``, ``state_bwd``, ``inverse`` and ``state_split`` (``"auto"`` or P: the
-      state passes run P segments of every sequence at once; P divides the chunk count).
+      ``fuse_output``, ``state_bwd``, ``inverse``, ``state_split`` (``"auto"`` or P: the
+      state passes run P segments of every sequence at once; P divides the chunk count) and
+      ``grid_order`` (launch order of the parallel kernels' grid: ``GRID_ORDERS``).
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """

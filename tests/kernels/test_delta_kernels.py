@@ -242,6 +242,17 @@ def test_split_state_passes(rule, target, dtype):
     check(rule, x, True, 1e-4 if dtype == "float32" else 1e-2, target=target, tuning=(("state_split", P),))
 
 
+@pytest.mark.parametrize("rule,target,order", [("kda", "gpu", "nbh"), ("gdn", "gpu", "hnb"), ("delta", "tpu", "nhb")])
+def test_grid_order(rule, target, order):
+    """``grid_order``: the parallel kernels' (batch, head, chunk) grid launched in another order reads
+    and writes the same blocks — forward, final state and every gradient equal the reference's."""
+    check(rule, make_inputs(10), True, 1e-4, target=target, tuning=(("grid_order", order),))
+    x = make_inputs(6)
+    q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
+    with pytest.raises(ValueError, match="grid_order"):
+        kd.chunk_delta_rule(q, k, v, beta, target=target, grid_order="bnn")
+
+
 def test_default_state_split():
     """``default_state_split``: on GPUs, only where the unsplit passes would launch fewer than
     ``STATE_PROGRAMS`` programs of 32 value columns; then segments double until ``SPLIT_SEQUENCES``
