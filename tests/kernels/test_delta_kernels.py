@@ -205,19 +205,20 @@ def test_unfused_output_kernel_on_gpu_flavour():
     check("gdn", make_inputs(0), True, 1e-4, target="gpu", tuning=(("fuse_output", False),))
 
 
-@pytest.mark.parametrize("target,fuse,rule", [("gpu", True, "kda"), ("gpu", False, "kda"), ("tpu", True, "kda"),
-                                              ("gpu", True, "gdn"), ("gpu", False, "delta"), ("tpu", True, "gdn")])
-def test_forward_alone_matches_the_reference(target, fuse, rule):
+@pytest.mark.parametrize("target,fuse,rule,split", [
+    ("gpu", True, "kda", 1), ("gpu", False, "kda", 1), ("tpu", True, "kda", 1), ("gpu", True, "gdn", 1),
+    ("gpu", False, "delta", 1), ("tpu", True, "gdn", 1), ("gpu", True, "delta", 3), ("gpu", False, "kda", 3)])
+def test_forward_alone_matches_the_reference(target, fuse, rule, split):
     """An undifferentiated call keeps no residuals: with the output fused, the state pass stores no
-    per-chunk state at all (and for DeltaNet and GDN reads q and k through their row factors). Its
-    output and final state equal the reference's."""
+    per-chunk state at all (and for DeltaNet and GDN reads q and k through their row factors); split
+    state passes (``state_split``) keep no maps. Its output and final state equal the reference's."""
     x = make_inputs(5)
     q, k, v, beta, S0, seg = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta", "S0", "seg"))
     g = {"kda": jnp.asarray(x["g"]), "gdn": jnp.asarray(x["gs"]), "delta": None}[rule]
     fn = {"kda": kd.chunk_kda, "gdn": kd.chunk_gated_delta_rule,
           "delta": lambda q, k, v, g, beta, **kw: kd.chunk_delta_rule(q, k, v, beta, **kw)}[rule]
     o1, s1 = jax.jit(lambda *a: fn(*a, initial_state=S0, segment_ids=seg, target=target,
-                                   interpret=_interpret(target), fuse_output=fuse))(q, k, v, g, beta)
+                                   interpret=_interpret(target), fuse_output=fuse, state_split=split))(q, k, v, g, beta)
     o0, s0 = kref.recurrent(q, k, v, beta, g, initial_state=S0, segment_ids=seg)
     assert rel_err(o1, o0) <= 1e-4 and rel_err(s1, s0) <= 1e-4
     if rule != "kda":
@@ -227,19 +228,21 @@ def test_forward_alone_matches_the_reference(target, fuse, rule):
         kd.chunk_kda(q, k, v, g, beta, target=target, interpret=True, fuse_output=1)
 
 
-@pytest.mark.parametrize("rule,target,dtype", [("delta", "gpu", "float32"), ("kda", "gpu", "float32"),
-                                               ("gdn", "gpu", "bfloat16"), ("kda_bounded", "tpu", "float32")])
-def test_split_state_passes(rule, target, dtype):
+@pytest.mark.parametrize("rule,target,dtype,fuse", [("delta", "gpu", "float32", True), ("kda", "gpu", "float32", True),
+                                                    ("gdn", "gpu", "bfloat16", True), ("kda_bounded", "tpu", "float32", True),
+                                                    ("gdn", "gpu", "float32", False)])
+def test_split_state_passes(rule, target, dtype, fuse):
     """``state_split=P``: the state passes run P segments of every sequence at once — a first pass
     finds each segment's map of its start state, P small products chain the true starts (the
     backward: the gradients of the segments' ends, from the last back), then the ordinary passes run
     on B·P sequences (``api._state_forward``). Forward, final state and every gradient, the initial
     state's included, equal the reference's, with resets inside and on the segments' edges. T = 75:
     three 32-token chunks on the GPU flavour (P = 3, a segment per chunk), two of 64 on the TPU
-    flavour (P = 2, head-major segments)."""
+    flavour (P = 2, head-major segments); with the output kernel after the split pass too."""
     x = make_inputs(9, dtype=jnp.dtype(dtype))
     P = 3 if target == "gpu" else 2
-    check(rule, x, True, 1e-4 if dtype == "float32" else 1e-2, target=target, tuning=(("state_split", P),))
+    check(rule, x, True, 1e-4 if dtype == "float32" else 1e-2, target=target,
+          tuning=(("state_split", P), ("fuse_output", fuse)))
 
 
 @pytest.mark.parametrize("rule,target,order", [("kda", "gpu", "nbh"), ("gdn", "gpu", "hnb"), ("delta", "tpu", "nhb")])
