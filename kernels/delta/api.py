@@ -683,7 +683,8 @@ def default_state_split(target: str, BH: int, N: int, V: int) -> int:
 
 def default_warps_state(bv: int) -> int:
     """GPU: warps of the state passes: 8 for value blocks of 128 columns or more (a 128 × 128 float32
-    state is 64 registers per thread at 8 warps; ptxas, bf16 DeltaNet: 255 registers, no spills), else 4."""
+    state is 64 registers per thread at 8 warps; ptxas, bf16: 255 registers, no spills for DeltaNet and
+    KDA, 20 / 40 B for GDN's forward / backward pass), else 4."""
     return 8 if bv >= 128 else 4
 
 

@@ -242,7 +242,7 @@ def _bwd_refs(cfg: Cfg, refs, n_out: int):
 def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs, stores: bool = True):
     """GPU: one program per ``(b, h, value block)`` carries ``dS`` back through the chunks; ``q_in``
     and ``k_out`` as :func:`row_factors` says. ``stores=False``: ``dh0`` is the only output (no
-    per-chunk ``dh``, no ``dŨ``: the first pass of a split sequence, ``api._state_bwd_split``)."""
+    per-chunk ``dh``, no ``dŨ``: the first pass of a split sequence, ``api._state_backward``)."""
     ins, outs = _bwd_refs(cfg, refs, 3 if stores else 1)
     dh_ref, dut_ref, dh0_ref = outs if stores else (None, None, outs[0])
     m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref, ein_ref, eout_ref = ins
