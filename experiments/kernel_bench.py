@@ -29,7 +29,9 @@ state; ``--parts stages`` times the five Pallas kernels one by one (at ``--stage
 Mosaic GPU state passes (``kernels.delta.mosaic_gpu``) beside the Triton ones and compares them;
 ``--parts ab --ab KNOBS`` times the Pallas kernels with ``--pallas_tuning`` (A) against the same with
 ``KNOBS`` changed (B) in one process, in alternating rounds, and reports each round's ratio B / A
-(paired: drift of the GPU's clocks between processes does not enter it).
+(paired: drift of the GPU's clocks between processes does not enter it); ``--parts profile`` lists
+the GPU time of every kernel inside one whole call, ours (``jax.profiler``, read by
+``experiments.op_profile``) beside fla's (torch's profiler), at ``--shapes``.
 
 Usage (on the device; fla-core installed with ``--target`` from a carried wheel)::
 
@@ -40,6 +42,7 @@ Usage (on the device; fla-core installed with ``--target`` from a carried wheel)
     python -m experiments.kernel_bench --parts ab --ab fuse_output=0 --rules delta,gdn   # a knob, paired
     python -m experiments.kernel_bench --parts ab --shapes 1,32768 --pallas_tuning state_split=1 \
         --ab state_split=8,bv=128,num_warps_state=8                        # split state passes, paired
+    python -m experiments.kernel_bench --parts profile --shapes 2,8192 --methods pallas,fla   # kernel by kernel
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` under ``--out``.
 """
@@ -67,7 +70,7 @@ from experiments import common as C  # noqa: E402
 SHAPES = ((2, 8192), (8, 2048), (1, 32768))
 H, D, CHUNK = 16, 128, 64
 RULES = ("kda", "kdab", "delta", "gdn")
-PARTS = ("roofline", "check", "bench", "stages", "mosaic", "ab")
+PARTS = ("roofline", "check", "bench", "stages", "mosaic", "ab", "profile")
 AB_ROUNDS = 5  # --parts ab: alternating rounds of A and B
 GATE_BOUND = -5.0  # kdab: K3's bounded gate
 PALLAS_TUNING = {}  # --pallas_tuning, e.g. {"bv": 32, "num_warps": 8, "num_warps_state": 8}
@@ -354,22 +357,52 @@ def use_fla_cache(path: str) -> None:
     os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
 
 
+def load_fla():
+    """fla's chunked kernels by rule name, or ``None`` (logged) where fla is not importable."""
+    try:
+        from fla.ops.delta_rule import chunk_delta_rule as fla_delta
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+        from fla.ops.kda import chunk_kda as fla_kda
+    except Exception as ex:  # noqa: BLE001
+        log("fla unavailable:", repr(ex)[:300])
+        return None
+    return dict(kda=fla_kda, delta=fla_delta, gdn=fla_gdn,
+                kdab=lambda *a: fla_kda(*a, safe_gate=True, lower_bound=GATE_BOUND))
+
+
+def torch_inputs(x):
+    """torch copies (on the same GPU) of :func:`make_inputs`' arrays."""
+    from torch.utils import dlpack as tdl
+    return {n: tdl.from_dlpack(jax.block_until_ready(a)).clone() for n, a in x.items()}
+
+
+def fla_call(fla, rule, mode, tx):
+    """One fla call of ``rule`` as a closure: the forward under ``no_grad``, or forward and backward."""
+    import torch
+    gate = [tx["g"]] if rule in ("kda", "kdab") else [tx["gs"]] if rule == "gdn" else []
+    ins = [tx["q"], tx["k"], tx["v"], *gate, tx["beta"]]
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                fla[rule](*ins)
+        return run
+    ins = [t.detach().clone().requires_grad_(True) for t in ins]
+
+    def run_bwd():
+        o = fla[rule](*ins)[0]
+        o.backward(tx["do"])
+        for t in ins:
+            t.grad = None
+    return run_bwd
+
+
 def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, rules=RULES, chunk_size=None):
     try:
         import torch
         have_torch = torch.cuda.is_available()
     except Exception:  # noqa: BLE001
         have_torch = False
-    fla = None
-    if have_torch and "fla" in methods:
-        try:
-            from fla.ops.delta_rule import chunk_delta_rule as fla_delta
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
-            from fla.ops.kda import chunk_kda as fla_kda
-            fla = dict(kda=fla_kda, delta=fla_delta, gdn=fla_gdn,
-                       kdab=lambda *a: fla_kda(*a, safe_gate=True, lower_bound=GATE_BOUND))
-        except Exception as ex:  # noqa: BLE001
-            log("fla unavailable:", repr(ex)[:300])
+    fla = load_fla() if have_torch and "fla" in methods else None
     rows = results.setdefault("bench", [])
     for (B, T) in shapes:
         x = make_inputs(B, T)
@@ -405,33 +438,12 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                 log("check", rule, (B, T), e)
             outs.clear()
             if fla is not None and not over():
-                import torch
-                from torch.utils import dlpack as tdl
-
-                def tt(a):
-                    return tdl.from_dlpack(jax.block_until_ready(a))
-                q, k, v, do = (tt(x[n]).clone() for n in ("q", "k", "v", "do"))
-                beta = tt(x["beta"]).clone()
-                g = tt(x["g"]).clone()
-                gs = tt(x["gs"]).clone()
+                tx = torch_inputs(x)
                 for mode in ("fwd", "fwdbwd"):
                     if rule == "gdn" and mode == "fwdbwd":
                         continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper
                     try:
-                        ins = [q, k, v] + ([g] if rule in ("kda", "kdab") else [gs] if rule == "gdn" else []) + [beta]
-                        if mode == "fwd":
-                            def run(ins=ins):
-                                with torch.no_grad():
-                                    fla[rule](*ins)
-                        else:
-                            ins = [t.detach().clone().requires_grad_(True) for t in ins]
-
-                            def run(ins=ins):
-                                o = fla[rule](*ins)[0]
-                                o.backward(do)
-                                for t in ins:
-                                    t.grad = None
-                        ms = time_torch(run, reps=reps)
+                        ms = time_torch(fla_call(fla, rule, mode, tx), reps=reps)
                     except Exception as ex:  # noqa: BLE001
                         traceback.print_exc()
                         ms = None
@@ -457,6 +469,91 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                                  flops=af if mode == "fwd" else afb, bytes=ab if mode == "fwd" else abb))
                 log("bench", B, T, "attention cudnn", mode, ms)
         del x, a6
+
+
+PROFILE_CALLS = 5
+
+
+def torch_profile(run, calls=PROFILE_CALLS, top=20) -> dict:
+    """GPU time per call of each CUDA kernel ``run()`` launches (torch's profiler), largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            rows.append((e.key, us / 1e3 / calls, e.count / calls))
+    rows.sort(key=lambda r: -r[1])
+    return {"busy_ms_per_call": sum(r[1] for r in rows),
+            "top": [{"name": n[:160], "ms_per_call": ms, "launches_per_call": c} for n, ms, c in rows[:top]]}
+
+
+def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_size=None, over=lambda: False):
+    """Per-kernel GPU time inside one whole call, ours (the Pallas kernels and XLA's own ops, from
+    ``jax.profiler``'s trace: ``experiments.op_profile``) beside fla's (torch's profiler), per
+    (shape, rule, mode); into ``results["profile"]``."""
+    from experiments import op_profile
+    fla = None
+    if "fla" in methods:
+        try:
+            import torch
+            fla = load_fla() if torch.cuda.is_available() else None
+        except Exception:  # noqa: BLE001
+            fla = None
+    out = results.setdefault("profile", {})
+    for (B, T) in shapes:
+        if over():
+            log("budget reached: skipping profile", (B, T))
+            continue
+        x = make_inputs(B, T)
+        a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
+        tx = torch_inputs(x) if fla is not None else None
+        for rule in rules:
+            for mode in ("fwd", "fwdbwd"):
+                key = f"({B}, {T}) {rule} {mode}"
+                if "pallas" in methods:
+                    try:
+                        fn = rule_fn(rule, "pallas", chunk_size=chunk_size)
+                        f = jax_fwd(fn) if mode == "fwd" else jax_fwdbwd(fn)
+                        args = a6 if mode == "fwd" else (*a6, x["do"])
+                        jax.block_until_ready(f(*args))
+                        s = op_profile.profile(lambda: f(*args), calls=PROFILE_CALLS, top=20)
+                        out[key + " pallas"] = {"busy_ms_per_call": s["busy_ms_per_call"], "source": s["source"],
+                                                "top": s["top"]}
+                    except Exception as ex:  # noqa: BLE001
+                        traceback.print_exc()
+                        out[key + " pallas"] = {"error": repr(ex)[:2000]}
+                if fla is not None and not (rule == "gdn" and mode == "fwdbwd"):
+                    try:
+                        out[key + " fla"] = torch_profile(fla_call(fla, rule, mode, tx))
+                    except Exception as ex:  # noqa: BLE001
+                        traceback.print_exc()
+                        out[key + " fla"] = {"error": repr(ex)[:2000]}
+                log(profile_table(results, key))
+        del x, a6, tx
+
+
+def profile_table(results, key) -> str:
+    """The kernels of ``key`` (``"(B, T) rule mode"``) per method, ms per call."""
+    lines = []
+    for method in ("pallas", "fla"):
+        r = results.get("profile", {}).get(f"{key} {method}")
+        if r is None:
+            continue
+        if "error" in r:
+            lines.append(f"profile {key} {method}: {r['error'][:200]}")
+            continue
+        lines.append(f"profile {key} {method}: busy {r['busy_ms_per_call']:.3f} ms per call")
+        lines += [f"    {t['ms_per_call']:7.3f} ms x{t['launches_per_call']:g}  {t['name'][:100]}" for t in r["top"]]
+    return "\n".join(lines)
 
 
 AB_MODES = ("fwdbwd", "fwd")
@@ -685,6 +782,9 @@ def main(argv=None):
             save()
     if "mosaic" in parts and not over():
         part_mosaic(results, shapes, reps)
+        save()
+    if "profile" in parts:
+        part_profile(results, shapes, rules, methods, pc, over)
         save()
     if "ab" in parts:
         part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes)

@@ -86,3 +86,18 @@ def test_bad_ab_flags_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         kb.main(argv + ["--out", "unused"])
     assert message in capsys.readouterr().err
+
+
+def test_profile_lists_the_kernels_of_one_call(tiny, monkeypatch):
+    """``--parts profile``: ours read from the profiler's trace per (shape, rule, mode), busy time the
+    sum of its operations; fla is skipped where it is not importable (here: no GPU)."""
+    monkeypatch.setattr(kb, "PROFILE_CALLS", 1)
+    monkeypatch.setattr(kb, "PALLAS_TUNING", {"inverse": "loop"})
+    res = {}
+    kb.part_profile(res, [(1, 64)], rules=("delta",), methods=("pallas", "fla"), chunk_size=32)
+    assert set(res["profile"]) == {"(1, 64) delta fwd pallas", "(1, 64) delta fwdbwd pallas"}
+    for r in res["profile"].values():
+        assert "error" not in r, r
+        assert r["top"] and r["busy_ms_per_call"] >= sum(t["ms_per_call"] for t in r["top"]) * (1 - 1e-9)
+        assert all(t["ms_per_call"] >= 0 and t["launches_per_call"] > 0 for t in r["top"])
+    assert "(1, 64) delta fwd pallas: busy" in kb.profile_table(res, "(1, 64) delta fwd")
