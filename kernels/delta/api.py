@@ -103,6 +103,7 @@ MOSAIC_BWD_PROGRAMS = 128
 # SPLIT_SEQUENCES segments × heads, keeping SPLIT_MIN_CHUNKS chunks a segment, and run them SPLIT_BV
 # value columns wide (one program holds the whole 128 × 128 state, 8 warps: default_warps_state).
 SPLIT_SEQUENCES = 128
+PROGRAM_STAGES = 2  # GPU: Triton pipelining stages of the parallel kernels' loop over chunks (chunks_per_program)
 SPLIT_MIN_CHUNKS = 32
 SPLIT_BV = 128
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
@@ -134,6 +135,7 @@ class Spec:
     state_split: int = 1  # segments the state passes split each sequence into (_state_forward); B, N, bv
                           # and state_bwd above describe the whole sequence, the passes run on B·P, N / P
     grid_order: str = "bhn"  # launch order of the intra-chunk and output kernels' grid (GRID_ORDERS)
+    chunks_per_program: int = 1  # GPU: chunks each program of those kernels loops over (_grouped)
 
 
 # ---------------------------------------------------------------------------
@@ -178,13 +180,13 @@ def _state_spec(s: Spec, cols, f):
     return pl.BlockSpec((None, None, s.K, cols), lambda *i: (lambda b, h, d: (b, h, 0, d))(*f(*i)))
 
 
-def _params(s: Spec, semantics, state=False, warps=None):
+def _params(s: Spec, semantics, state=False, warps=None, stages=None):
     if s.target == "gpu":
         if pltriton is None:
             return None
         if state:
             return pltriton.CompilerParams(num_warps=s.num_warps_state, num_stages=s.num_stages_state)
-        return pltriton.CompilerParams(num_warps=s.num_warps if warps is None else warps, num_stages=1)
+        return pltriton.CompilerParams(num_warps=s.num_warps if warps is None else warps, num_stages=stages or 1)
     if pltpu is None:
         return None
     return pltpu.CompilerParams(dimension_semantics=semantics)
@@ -203,15 +205,87 @@ def _reorder(s: Spec, grid, in_specs, out_specs):
     return tuple(grid[p] for p in perm), [spec(b) for b in in_specs], outs
 
 
+class _ChunkView:
+    """Chunk ``g`` of a block of G chunks, indexed as the one-chunk block a kernel body expects:
+    token blocks ``[G·C, cols]`` by row offset ``g·C``, chunk blocks ``[G, R, cols]`` by leading
+    index ``g`` (Triton refs take one indexer, so the offset is folded into each access)."""
+
+    def __init__(self, ref, g, rows):
+        self.ref, self.g, self.rows = ref, g, rows  # rows: C (token block) or None (chunk block)
+
+    @property
+    def shape(self):
+        return self.ref.shape[1:] if self.rows is None else (self.rows,) + tuple(self.ref.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.ref.dtype
+
+    def _index(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if self.rows is None:
+            return (self.g,) + idx
+        if idx and idx[0] is Ellipsis:
+            idx = (slice(None),) * len(self.shape)
+        first, rest = idx[0], idx[1:]
+        off = self.g * self.rows
+        if isinstance(first, slice) and first == slice(None):
+            first = pl.ds(off, self.rows)
+        elif isinstance(first, pl.Slice):
+            first = pl.ds(off + first.start, first.size)
+        else:
+            first = off + first
+        return (first,) + tuple(rest)
+
+    def __getitem__(self, idx):
+        return self.ref[self._index(idx)]
+
+    def __setitem__(self, idx, value):
+        self.ref[self._index(idx)] = value
+
+
+def _grouped(s: Spec, body, grid, in_specs, out_specs):
+    """The ``(b, h, n)`` parallel grid with ``s.chunks_per_program`` = G chunks per program: blocks of
+    G chunks, the body run on each in a loop (``_ChunkView``), so that Triton's pipeliner can load
+    a chunk's inputs while the previous one computes."""
+    G, C = s.chunks_per_program, s.cfg.chunk
+
+    def spec(bs):
+        shape = list(bs.block_shape)
+        if len(shape) == 4:    # token block (None, C, None, cols)
+            shape[1] = G * C
+        else:                  # chunk block (None, None, None, R, cols)
+            shape[1] = G
+        return pl.BlockSpec(tuple(shape), bs.index_map)
+
+    specs_in = [spec(b) for b in in_specs]
+    specs_out = [spec(b) for b in out_specs] if isinstance(out_specs, (list, tuple)) else spec(out_specs)
+    rows = [C if len(b.block_shape) == 4 else None for b in list(in_specs) + list(
+        out_specs if isinstance(out_specs, (list, tuple)) else [out_specs])]
+
+    def grouped(*refs):
+        def one(g, carry):
+            body(*(_ChunkView(r, g, n) for r, n in zip(refs, rows)))
+            return carry
+        lax.fori_loop(0, G, one, 0)
+
+    return grouped, (grid[0], grid[1], grid[2] // G), specs_in, specs_out
+
+
 def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, state=False, scratch=(), warps=None):
     kw = {}
     if scratch:
         kw["scratch_shapes"] = list(scratch)
-    if s.grid_order != "bhn" and semantics == ("parallel",) * 3 and not state:  # the (b, h, n) parallel grids
-        grid, in_specs, out_specs = _reorder(s, grid, in_specs, out_specs)
+    stages = None
+    if semantics == ("parallel",) * 3 and not state:  # the (b, h, n) parallel grids
+        if s.chunks_per_program > 1:
+            body, grid, in_specs, out_specs = _grouped(s, body, grid, in_specs, out_specs)
+            stages = PROGRAM_STAGES
+        if s.grid_order != "bhn":
+            grid, in_specs, out_specs = _reorder(s, grid, in_specs, out_specs)
     return pl.pallas_call(
         body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=_params(s, semantics, state, warps), interpret=s.interpret, **kw)
+        compiler_params=_params(s, semantics, state, warps, stages), interpret=s.interpret, **kw)
 
 
 # ---------------------------------------------------------------------------
@@ -775,7 +849,7 @@ def _check_gate_bound(g, gate, bound):
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto", inverse="auto",
-             state_split="auto", grid_order="bhn"):
+             state_split="auto", grid_order="bhn", chunks_per_program=1):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -831,6 +905,10 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     elif isinstance(state_split, bool) or not isinstance(state_split, int) or state_split < 1 or N % state_split:
         raise ValueError(f"`state_split` must be 'auto' or a positive int dividing the number of chunks "
                          f"(T = {T} is {N} chunks of {C}), got {state_split!r}")
+    if isinstance(chunks_per_program, bool) or not isinstance(chunks_per_program, int) or chunks_per_program < 1 \
+            or N % chunks_per_program or (chunks_per_program > 1 and target != "gpu"):
+        raise ValueError(f"`chunks_per_program` must be a positive int dividing the number of chunks (T = {T} is "
+                         f"{N} chunks of {C}; above 1 on GPUs only), got {chunks_per_program!r}")
     BHs = B * state_split * H  # sequences × heads the state passes run on
     if state_bwd == "auto":
         state_bwd = "triton" if target == "tpu" else default_state_bwd(BHs, C, K, V, io_dtype, bool(interpret),
@@ -860,7 +938,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              num_warps_scores=(default_warps_scores(cfg.gate, num_warps) if num_warps_scores is None
                                else int(num_warps_scores)),
              anchored_bwd=anchored_bwd, fuse_output=fuse_output, state_bwd=state_bwd, state_split=state_split,
-             grid_order=grid_order)
+             grid_order=grid_order, chunks_per_program=chunks_per_program)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)
