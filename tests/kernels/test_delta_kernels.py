@@ -256,6 +256,20 @@ def test_grid_order(rule, target, order):
         kd.chunk_delta_rule(q, k, v, beta, target=target, grid_order="bnn")
 
 
+@pytest.mark.parametrize("rule,G", [("kda", 3), ("gdn", 3), pytest.param("delta", 3, marks=pytest.mark.slow)])
+def test_chunks_per_program(rule, G):
+    """``chunks_per_program``: each program of the parallel kernels loops over G chunks of a G-chunk
+    block (``api._ChunkView``; here all 3 chunks of a sequence) — forward, final state and every gradient equal the reference's, with
+    resets and an initial state; G must divide the chunk count and is GPU-only (both named)."""
+    check(rule, make_inputs(11), True, 1e-4, tuning=(("chunks_per_program", G),))
+    x = make_inputs(6)
+    q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
+    with pytest.raises(ValueError, match="chunks_per_program"):
+        kd.chunk_delta_rule(q, k, v, beta, chunk_size=16, target="gpu", chunks_per_program=3)
+    with pytest.raises(ValueError, match="chunks_per_program"):
+        kd.chunk_delta_rule(q, k, v, beta, target="tpu", chunks_per_program=2)
+
+
 def test_default_state_split():
     """``default_state_split``: on GPUs, only where the unsplit passes would launch fewer than
     ``STATE_PROGRAMS`` programs of 32 value columns; then segments double until ``SPLIT_SEQUENCES``
