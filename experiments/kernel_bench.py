@@ -515,30 +515,34 @@ def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_
             continue
         x = make_inputs(B, T)
         a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
-        tx = torch_inputs(x) if fla is not None else None
-        for rule in rules:
-            for mode in ("fwd", "fwdbwd"):
-                key = f"({B}, {T}) {rule} {mode}"
-                if "pallas" in methods:
-                    try:
-                        fn = rule_fn(rule, "pallas", chunk_size=chunk_size)
-                        f = jax_fwd(fn) if mode == "fwd" else jax_fwdbwd(fn)
-                        args = a6 if mode == "fwd" else (*a6, x["do"])
-                        jax.block_until_ready(f(*args))
-                        s = op_profile.profile(lambda: f(*args), calls=PROFILE_CALLS, top=20)
-                        out[key + " pallas"] = {"busy_ms_per_call": s["busy_ms_per_call"], "source": s["source"],
-                                                "top": s["top"]}
-                    except Exception as ex:  # noqa: BLE001
-                        traceback.print_exc()
-                        out[key + " pallas"] = {"error": repr(ex)[:2000]}
-                if fla is not None and not (rule == "gdn" and mode == "fwdbwd"):
-                    try:
-                        out[key + " fla"] = torch_profile(fla_call(fla, rule, mode, tx))
-                    except Exception as ex:  # noqa: BLE001
-                        traceback.print_exc()
-                        out[key + " fla"] = {"error": repr(ex)[:2000]}
-                log(profile_table(results, key))
-        del x, a6, tx
+        keys = [(rule, mode, f"({B}, {T}) {rule} {mode}") for rule in rules for mode in ("fwd", "fwdbwd")]
+        # all of ours first: once torch's profiler has subscribed to CUPTI, jax.profiler's tracer cannot
+        for rule, mode, key in keys if "pallas" in methods else ():
+            try:
+                fn = rule_fn(rule, "pallas", chunk_size=chunk_size)
+                f = jax_fwd(fn) if mode == "fwd" else jax_fwdbwd(fn)
+                args = a6 if mode == "fwd" else (*a6, x["do"])
+                jax.block_until_ready(f(*args))
+                s = op_profile.profile(lambda: f(*args), calls=PROFILE_CALLS, top=20)
+                out[key + " pallas"] = {"busy_ms_per_call": s["busy_ms_per_call"], "source": s["source"],
+                                        "top": s["top"]}
+            except Exception as ex:  # noqa: BLE001
+                traceback.print_exc()
+                out[key + " pallas"] = {"error": repr(ex)[:2000]}
+        if fla is not None:
+            tx = torch_inputs(x)
+            for rule, mode, key in keys:
+                if rule == "gdn" and mode == "fwdbwd":
+                    continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper
+                try:
+                    out[key + " fla"] = torch_profile(fla_call(fla, rule, mode, tx))
+                except Exception as ex:  # noqa: BLE001
+                    traceback.print_exc()
+                    out[key + " fla"] = {"error": repr(ex)[:2000]}
+            del tx
+        for _, _, key in keys:
+            log(profile_table(results, key))
+        del x, a6
 
 
 def profile_table(results, key) -> str:

@@ -131,9 +131,27 @@ def _rows(ref, rows):
 
 
 def state_fwd_step(cfg: Cfg, S, w, u, ko, d, eout=None):
+    """``d``: the chunk's decay ``[K, 1]``, or None (no gate, no resets: ``d_end = 1``)."""
     ut = u - mm(cfg, w, S)
-    S = d * S + mm(cfg, ko, _mul(ut, eout), ta=True)
+    S = _mul(S, d) + mm(cfg, ko, _mul(ut, eout), ta=True)
     return ut, S
+
+
+def _decays(cfg: Cfg) -> bool:
+    """Whether the state decays between chunks (``d_end != 1``): gates or document resets."""
+    return cfg.gated or cfg.docs
+
+
+def _chunk_rows(n, C):
+    """The token rows of chunk ``n`` (a traced index, or a Python int before the loop)."""
+    return pl.ds(n * C if isinstance(n, int) else pl.multiple_of(n * C, C), C)
+
+
+def _ahead(n_chunks, n, step, load):
+    """``load(n + step)`` clamped to the chunks: the loop loads a step's small operands (``d_end``, row
+    factors) one iteration ahead and carries them — Triton pipelines only the loads that feed its
+    matmuls, and these would otherwise wait on memory inside the dependent chain of every step."""
+    return load(jnp.clip(n + step, 0, n_chunks - 1))
 
 
 def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
@@ -145,22 +163,30 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
     ins, (h_ref, ut_ref, st_ref, o_ref) = out.split(cfg, refs)
     w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref, ein_ref, eout_ref = ins
     C = cfg.chunk
+    cols = row_factors(cfg) == "columns"
 
-    def body(n, S):
+    def small(n):  # the step's operands outside its matmuls: d_end, eout (and ein for the output)
+        rows = _chunk_rows(n, C)
+        return (dend_ref[n].astype(F32) if _decays(cfg) else None, _rows(eout_ref, rows),
+                ein_ref[rows, :] if (cols and o_ref is not None) else None)
+
+    def body(n, carry):
+        S, (d, eout, ein) = carry
+        nxt = _ahead(n_chunks, n, 1, small)
         if h_ref is not None:
             h_ref[n] = S.astype(h_ref.dtype)
         rows = pl.ds(pl.multiple_of(n * C, C), C)
         S_n = S
-        ut, S = state_fwd_step(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :],
-                               dend_ref[n].astype(F32), _rows(eout_ref, rows))
+        ut, S = state_fwd_step(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :], d, eout)
         if ut_ref is not None:
             ut_ref[rows, :] = ut.astype(ut_ref.dtype)
         if o_ref is not None:
             o_ref[rows, :] = _chunk_output(cfg, qin_ref[rows, :], S_n, m_ref[rows, :], ut,
-                                           _ein(cfg, ein_ref, rows)).astype(o_ref.dtype)
-        return S
+                                           ein if cols else _ein(cfg, None, rows)).astype(o_ref.dtype)
+        return S, nxt
 
-    st_ref[...] = lax.fori_loop(0, n_chunks, body, h0_ref[...].astype(F32)).astype(st_ref.dtype)
+    S, _ = lax.fori_loop(0, n_chunks, body, (h0_ref[...].astype(F32), small(0)))
+    st_ref[...] = S.astype(st_ref.dtype)
 
 
 def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):
@@ -221,12 +247,13 @@ def _ein(cfg: Cfg, ref, rows):
 
 
 def state_bwd_step(cfg: Cfg, dS, m, do, ko, qi, w, d, ein=None, eout=None):
+    """``d`` as in :func:`state_fwd_step`."""
     dut = mm(cfg, m, do, ta=True) + _mul(mm(cfg, ko, dS), eout)
     if isinstance(ein, float):  # a constant: scale the [K, bv] product (no rounding of dO)
         qdo = mm(cfg, qi, do, ta=True) * ein
     else:
         qdo = mm(cfg, qi, _mul(do, ein), ta=True)
-    dS = qdo + d * dS - mm(cfg, w, dut, ta=True)
+    dS = qdo + _mul(dS, d) - mm(cfg, w, dut, ta=True)
     return dut, dS
 
 
@@ -247,20 +274,28 @@ def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs, stores: bool = True):
     dh_ref, dut_ref, dh0_ref = outs if stores else (None, None, outs[0])
     m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref, ein_ref, eout_ref = ins
     C = cfg.chunk
+    cols = row_factors(cfg) == "columns"
 
-    def body(i, dS):
+    def small(n):  # as in state_fwd_loop: d_end and the row factors, one iteration ahead
+        rows = _chunk_rows(n, C)
+        return (dend_ref[n].astype(F32) if _decays(cfg) else None, _rows(eout_ref, rows),
+                ein_ref[rows, :] if cols else None)
+
+    def body(i, carry):
+        dS, (d, eout, ein) = carry
         n = n_chunks - 1 - i
+        nxt = _ahead(n_chunks, n, -1, small)
         if dh_ref is not None:
             dh_ref[n] = dS.astype(dh_ref.dtype)
         rows = pl.ds(pl.multiple_of(n * C, C), C)
         dut, dS = state_bwd_step(cfg, dS, m_ref[rows, :], do_ref[rows, :], ko_ref[rows, :], qi_ref[rows, :],
-                                 w_ref[rows, :], dend_ref[n].astype(F32), _ein(cfg, ein_ref, rows),
-                                 _rows(eout_ref, rows))
+                                 w_ref[rows, :], d, ein if cols else _ein(cfg, None, rows), eout)
         if dut_ref is not None:
             dut_ref[rows, :] = dut.astype(dut_ref.dtype)
-        return dS
+        return dS, nxt
 
-    dh0_ref[...] = lax.fori_loop(0, n_chunks, body, dst_ref[...].astype(F32)).astype(dh0_ref.dtype)
+    dS, _ = lax.fori_loop(0, n_chunks, body, (dst_ref[...].astype(F32), small(n_chunks - 1)))
+    dh0_ref[...] = dS.astype(dh0_ref.dtype)
 
 
 def state_bwd_grid(cfg: Cfg, *refs, stores: bool = True):
