@@ -99,8 +99,10 @@ def test_state_fwd_matches_triton_state_pass():
     W, U, kout, dend, h0 = make_inputs(2, jnp.bfloat16, C, N)
     q = jnp.zeros((B, N * C, H, K), jnp.bfloat16)
     v = jnp.zeros((B, N * C, H, V), jnp.bfloat16)
-    spec, _ = kd._prepare(q, q, v, None, jnp.ones((B, N * C, H), jnp.bfloat16), gate=None, scale=None,
-                          initial_state=None, segment_ids=None, chunk_size=C, target="gpu", interpret=INTERPRET)
+    # a per-channel gate's spec: the Triton pass then applies d_end (it skips it without gates or resets)
+    spec, _ = kd._prepare(q, q, v, jnp.zeros((B, N * C, H, K)), jnp.ones((B, N * C, H), jnp.bfloat16),
+                          gate="channel", scale=None, initial_state=None, segment_ids=None, chunk_size=C,
+                          target="gpu", interpret=INTERPRET)
     want = kd._state_fwd(spec, W, U, kd._QK(None, kout), dend, h0)
     got = jax.jit(lambda *a: mg.state_fwd(*a, chunk=C, interpret=INTERPRET))(W, U, kout, dend, h0)
     for g, w in zip(got, want):
