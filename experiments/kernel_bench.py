@@ -15,9 +15,13 @@ Rules: ``kda`` (exact per-channel gate), ``kdab`` (KDA with bounded gates: ours 
 (DeltaNet), ``gdn`` (Gated DeltaNet: ours runs the scalar-gate kernels). The benchmark gates
 are ``-0.2·σ(z) >= -0.2`` (inside the bound).
 
-Timing: JAX — median of ``--reps`` (>= 20) runs, each ``block_until_ready``-synchronized,
-after warm-up; torch — median of CUDA-event-timed runs after warm-up. FLOPs and
-minimal HBM bytes are counted analytically (see :func:`delta_flops`); the roofline
+Timing, the same way on both sides: the steady state — the median over 5 rounds of ``--reps``
+(>= 20) calls enqueued back to back and synchronized once (``block_until_ready`` /
+``torch.cuda.synchronize``), in ms per call, so host dispatch overlaps the GPU's work as in a
+training loop (:func:`time_jax`, :func:`time_torch`). ``--parts bench`` also records each call
+synchronized alone (``ms_sync``: dispatch and synchronization latency included), and ``--parts
+profile`` the GPU time of each kernel.
+FLOPs and minimal HBM bytes are counted analytically (see :func:`delta_flops`); the roofline
 (bf16 matmul rate, copy bandwidth) is measured in the same process.
 
 Correctness is read from the timed functions themselves: each fwd+bwd jit returns
@@ -120,13 +124,34 @@ def attn_bytes(B, T, H, D):
 # ---------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------
-def time_jax(f, *args, reps=20, warmup=3):
-    """Median wall-clock ms of ``reps`` synchronized calls after ``warmup`` (+ one compiling) calls."""
+ROUNDS = 5
+
+
+def time_jax(f, *args, reps=20, warmup=3, rounds=ROUNDS):
+    """ms per call in steady state: the median over ``rounds`` of ``reps`` calls enqueued back to back
+    and synchronized once (host dispatch overlaps the GPU's work, as in a training loop), after one
+    compiling and ``warmup`` calls."""
+    jax.block_until_ready(f(*args))
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = f(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / reps * 1e3)
+    return statistics.median(ts)
+
+
+def time_jax_sync(f, *args, reps=20, warmup=3):
+    """Median wall-clock ms of ``reps`` calls, each synchronized (dispatch and sync latency included)."""
     jax.block_until_ready(f(*args))
     return 1e3 * statistics.median(C.timed_calls(f, args, reps, warmup))
 
 
-def time_torch(fn, reps=20, warmup=3):
+def time_torch(fn, reps=20, warmup=3, rounds=ROUNDS):
+    """:func:`time_jax`'s steady state for a torch callable (``torch.cuda.synchronize`` once a round)."""
     import torch
     fn()
     torch.cuda.synchronize()
@@ -134,13 +159,27 @@ def time_torch(fn, reps=20, warmup=3):
         fn()
     torch.cuda.synchronize()
     ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
         torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
+        ts.append((time.perf_counter() - t0) / reps * 1e3)
+    return statistics.median(ts)
+
+
+def time_torch_sync(fn, reps=20, warmup=3):
+    """:func:`time_jax_sync` for a torch callable."""
+    import torch
+    for _ in range(warmup + 1):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(ts)
 
 
@@ -418,18 +457,20 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                 for mode in ("fwdbwd", "fwd"):
                     if mode == "fwdbwd" and rule == "gdn" and method == "pallas" and over():
                         continue
+                    ms_sync = None
                     try:
                         if mode == "fwd":
-                            ms = time_jax(jax_fwd(fn), *a6, reps=reps)
+                            f, args = jax_fwd(fn), a6
                         else:
-                            f = jax_fwdbwd(fn)
-                            outs[method] = f(*a6, x["do"])
-                            ms = time_jax(f, *a6, x["do"], reps=reps)
+                            f, args = jax_fwdbwd(fn), (*a6, x["do"])
+                            outs[method] = f(*args)
+                        ms = time_jax(f, *args, reps=reps)
+                        ms_sync = time_jax_sync(f, *args, reps=reps)
                     except Exception as ex:  # noqa: BLE001
                         traceback.print_exc()
                         ms = None
                         log("FAIL", method, rule, mode, repr(ex)[:300])
-                    rows.append(dict(B=B, T=T, rule=rule, method=method, mode=mode, ms=ms,
+                    rows.append(dict(B=B, T=T, rule=rule, method=method, mode=mode, ms=ms, ms_sync=ms_sync,
                                      flops=fl_f if mode == "fwd" else fl_fb, bytes=by_f if mode == "fwd" else by_fb))
                     log("bench", B, T, rule, method, mode, ms)
             if "pallas" in outs and "xla" in outs:
@@ -442,13 +483,16 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                 for mode in ("fwd", "fwdbwd"):
                     if rule == "gdn" and mode == "fwdbwd":
                         continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper
+                    ms_sync = None
                     try:
-                        ms = time_torch(fla_call(fla, rule, mode, tx), reps=reps)
+                        run = fla_call(fla, rule, mode, tx)
+                        ms = time_torch(run, reps=reps)
+                        ms_sync = time_torch_sync(run, reps=reps)
                     except Exception as ex:  # noqa: BLE001
                         traceback.print_exc()
                         ms = None
                         log("FAIL fla", rule, mode, repr(ex)[:300])
-                    rows.append(dict(B=B, T=T, rule=rule, method="fla", mode=mode, ms=ms,
+                    rows.append(dict(B=B, T=T, rule=rule, method="fla", mode=mode, ms=ms, ms_sync=ms_sync,
                                      flops=fl_f if mode == "fwd" else fl_fb, bytes=by_f if mode == "fwd" else by_fb))
                     log("bench", B, T, rule, "fla", mode, ms)
         if "cudnn" in methods and not over():
@@ -588,7 +632,7 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
                 for i in range(AB_ROUNDS):
                     order = (0, 1) if i % 2 == 0 else (1, 0)
                     for j in order:
-                        (ta if j == 0 else tb).append(time_jax(fs[j], *args, reps=reps))
+                        (ta if j == 0 else tb).append(time_jax(fs[j], *args, reps=reps, rounds=1))
                 ratios = [b / a for a, b in zip(ta, tb)]
                 row = dict(B=B, T=T, rule=rule, mode=mode, a=tun_a, b=tun_b, a_ms=ta, b_ms=tb,
                            a_median=statistics.median(ta), b_median=statistics.median(tb),
@@ -613,13 +657,14 @@ def summarize(results):
     peak_b = roof.get("copy_tbs", 4.3) * 1e12
     rows = results.get("bench", [])
     idx = {(r["B"], r["T"], r["rule"], r["method"], r["mode"]): r["ms"] for r in rows}
+    sync = {(r["B"], r["T"], r["rule"], r["method"], r["mode"]): r.get("ms_sync") for r in rows}
     for r in rows:
         if r["ms"]:
             floor = max(r["flops"] / peak_f, r["bytes"] / peak_b) * 1e3
             r["pct_roofline"] = 100 * floor / r["ms"]
             r["tflops"] = r["flops"] / (r["ms"] * 1e-3) / 1e12
-    lines = ["| (B, T) | rule | mode | pallas ms | xla ms | fla ms | cudnn attn ms | xla/pallas | fla/pallas | "
-             "pallas % roofline |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| (B, T) | rule | mode | pallas ms | xla ms | fla ms | cudnn attn ms | xla/pallas | pallas/fla | "
+             "pallas % roofline | synchronized calls: pallas / fla ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (B, T) in sorted({(r["B"], r["T"]) for r in rows}, key=lambda s: s[1]):
         for rule in RULES:
             for mode in ("fwd", "fwdbwd"):
@@ -631,8 +676,9 @@ def summarize(results):
                            == (B, T, rule, "pallas", mode)), None)
                 f = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
                 ratio = lambda a, b: "—" if (a is None or b is None) else f"{a / b:.2f}×"  # noqa: E731
+                ps, fs = sync.get((B, T, rule, "pallas", mode)), sync.get((B, T, rule, "fla", mode))
                 lines.append(f"| ({B}, {T}) | {rule} | {mode} | {f(p)} | {f(xl)} | {f(fl)} | {f(cu)} | "
-                             f"{ratio(xl, p)} | {ratio(fl, p)} | {f(pr)} |")
+                             f"{ratio(xl, p)} | {ratio(p, fl)} | {f(pr)} | {f(ps)} / {f(fs)} ({ratio(ps, fs)}) |")
     results["table"] = "\n".join(lines)
     return results["table"]
 

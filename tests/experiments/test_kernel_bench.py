@@ -14,7 +14,8 @@ def tiny(monkeypatch):
     monkeypatch.setattr(kb, "H", 2)
     monkeypatch.setattr(kb, "D", 16)
     orig = kb.time_jax
-    monkeypatch.setattr(kb, "time_jax", lambda f, *a, reps=1, warmup=0: orig(f, *a, reps=1, warmup=0))
+    monkeypatch.setattr(kb, "time_jax", lambda f, *a, reps=1, warmup=0, rounds=1: orig(f, *a, reps=1, warmup=0,
+                                                                                     rounds=1))
 
 
 @pytest.mark.slow  # the script's per-kernel timing loop; the kernels' values are test_check_... and tests/kernels
