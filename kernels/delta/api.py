@@ -135,7 +135,7 @@ class Spec:
     state_split: int = 1  # segments the state passes split each sequence into (_state_forward); B, N, bv
                           # and state_bwd above describe the whole sequence, the passes run on B·P, N / P
     grid_order: str = "bhn"  # launch order of the intra-chunk and output kernels' grid (GRID_ORDERS)
-    chunks_per_program: int = 1  # GPU: chunks each program of those kernels loops over (_grouped)
+    chunks_per_program: int = 1  # GPU: chunks each program of the backward's intra-chunk kernels loops over (_grouped)
 
 
 # ---------------------------------------------------------------------------
@@ -245,9 +245,9 @@ class _ChunkView:
 
 
 def _grouped(s: Spec, body, grid, in_specs, out_specs):
-    """The ``(b, h, n)`` parallel grid with ``s.chunks_per_program`` = G chunks per program: blocks of
-    G chunks, the body run on each in a loop (``_ChunkView``), so that Triton's pipeliner can load
-    a chunk's inputs while the previous one computes."""
+    """The ``(b, h, n)`` parallel grid of a backward intra-chunk kernel with ``s.chunks_per_program`` =
+    G chunks per program: blocks of G chunks, the body run on each in a loop (``_ChunkView``), so
+    that Triton's pipeliner loads a chunk's inputs while the previous one computes."""
     G, C = s.chunks_per_program, s.cfg.chunk
 
     def spec(bs):
@@ -272,13 +272,15 @@ def _grouped(s: Spec, body, grid, in_specs, out_specs):
     return grouped, (grid[0], grid[1], grid[2] // G), specs_in, specs_out
 
 
-def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, state=False, scratch=(), warps=None):
+def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, state=False, scratch=(), warps=None,
+          group=False):
+    """``group``: a backward intra-chunk kernel, whose programs loop over ``s.chunks_per_program`` chunks."""
     kw = {}
     if scratch:
         kw["scratch_shapes"] = list(scratch)
     stages = None
     if semantics == ("parallel",) * 3 and not state:  # the (b, h, n) parallel grids
-        if s.chunks_per_program > 1:
+        if group and s.chunks_per_program > 1:
             body, grid, in_specs, out_specs = _grouped(s, body, grid, in_specs, out_specs)
             stages = PROGRAM_STAGES
         if s.grid_order != "bhn":
@@ -629,10 +631,10 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
     dv, dbp, dkk, dru = _call(
         s, functools.partial(kn.intra_bwd_solve, s.cfg), grid=grid, in_specs=sspecs + [tc, tv, tv],
         out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, s.cfg.mm_dtype)],
-        semantics=par)(*sargs, KK, ut, dut)
+        semantics=par, group=True)(*sargs, KK, ut, dut)
     dq, dk, dbeta, *dg = _call(
         s, functools.partial(kn.intra_bwd_scores, cfg), grid=grid,
-        in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par,
+        in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par, group=True,
         warps=s.num_warps_scores,
     )(*args, ut, do, h, dh, dkk, dru, dbp)
     return (dq, dk, dv, dbeta, *dg)
