@@ -258,9 +258,10 @@ def test_grid_order(rule, target, order):
 
 @pytest.mark.parametrize("rule,G", [("kda", 3), ("gdn", 3), pytest.param("delta", 3, marks=pytest.mark.slow)])
 def test_chunks_per_program(rule, G):
-    """``chunks_per_program``: each program of the backward's intra-chunk kernels loops over G chunks of a G-chunk
-    block (``api._ChunkView``; here all 3 chunks of a sequence) — forward, final state and every gradient equal the reference's, with
-    resets and an initial state; G must divide the chunk count and is GPU-only (both named)."""
+    """``chunks_per_program``: each program of the backward's intra-chunk kernels loops over G chunks
+    of a G-chunk block (``api._ChunkView``; here all 3 chunks of a sequence) — forward, final state
+    and every gradient equal the reference's, with resets and an initial state; G must divide the
+    chunk count and is GPU-only (both named)."""
     check(rule, make_inputs(11), True, 1e-4, tuning=(("chunks_per_program", G),))
     x = make_inputs(6)
     q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
