@@ -1008,8 +1008,10 @@ _DOC = """
       **tuning: launch knobs, each with a measured default — ``bv``, ``num_warps``,
       ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``state_dtype``,
       ``fuse_output``, ``state_bwd``, ``inverse``, ``state_split`` (``"auto"`` or P: the
-      state passes run P segments of every sequence at once; P divides the chunk count) and
-      ``grid_order`` (launch order of the parallel kernels' grid: ``GRID_ORDERS``).
+      state passes run P segments of every sequence at once; P divides the chunk count),
+      ``grid_order`` (launch order of the parallel kernels' grid: ``GRID_ORDERS``) and
+      ``chunks_per_program`` (GPU: each program of the backward's intra-chunk kernels loops over
+      that many chunks, pipelining their loads; it divides the chunk count).
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """
