@@ -733,7 +733,7 @@ def parse_tuning(ap, flag, text) -> dict:
             if val not in ("0", "1"):
                 ap.error(f"{flag}: fuse_output must be 0 or 1, got {val!r}")
             out[key] = val == "1"
-        elif key == "state_split" and val == "auto":
+        elif key in ("state_split", "chunks_per_program") and val == "auto":
             out[key] = val
         elif key in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "state_split",
                      "chunks_per_program"):

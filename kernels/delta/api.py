@@ -103,9 +103,12 @@ MOSAIC_BWD_PROGRAMS = 128
 # SPLIT_SEQUENCES segments × heads, keeping SPLIT_MIN_CHUNKS chunks a segment, and run them SPLIT_BV
 # value columns wide (one program holds the whole 128 × 128 state, 8 warps: default_warps_state).
 SPLIT_SEQUENCES = 128
-PROGRAM_STAGES = 2  # GPU: Triton pipelining stages of the parallel kernels' loop over chunks (chunks_per_program)
 SPLIT_MIN_CHUNKS = 32
 SPLIT_BV = 128
+# GPU backward intra-chunk kernels (chunks_per_program="auto": default_chunks_per_program): each program
+# loops over PROGRAM_CHUNKS chunks, its loads pipelined in PROGRAM_STAGES stages.
+PROGRAM_CHUNKS = 2
+PROGRAM_STAGES = 2
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
                        # values they scale before products go subnormal (flushed on tensor cores)
 
@@ -740,6 +743,16 @@ def default_bv(BH: int, V: int) -> int:
     return bv
 
 
+def default_chunks_per_program(target: str, gate: str, N: int) -> int:
+    """Chunks per program of the backward's intra-chunk kernels (``chunks_per_program="auto"``): on
+    GPUs ``PROGRAM_CHUNKS`` where it divides the chunk count, except for scalar gates (GDN), whose
+    scores kernel already spills and took longer looping (paired, one H200: DeltaNet and KDA
+    fwd+bwd 0.88–0.96×, GDN 1.07×; ``docs/benchmarks.md``); 1 on TPUs."""
+    if target != "gpu" or gate == "scalar" or N % PROGRAM_CHUNKS:
+        return 1
+    return PROGRAM_CHUNKS
+
+
 def default_state_split(target: str, BH: int, N: int, V: int) -> int:
     """Segments the state passes split every sequence into (``state_split="auto"``; the mechanism:
     :func:`_state_forward`). GPU, where the unsplit passes would launch fewer than ``STATE_PROGRAMS``
@@ -851,7 +864,7 @@ def _check_gate_bound(g, gate, bound):
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto", inverse="auto",
-             state_split="auto", grid_order="bhn", chunks_per_program=1):
+             state_split="auto", grid_order="bhn", chunks_per_program="auto"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -907,10 +920,12 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     elif isinstance(state_split, bool) or not isinstance(state_split, int) or state_split < 1 or N % state_split:
         raise ValueError(f"`state_split` must be 'auto' or a positive int dividing the number of chunks "
                          f"(T = {T} is {N} chunks of {C}), got {state_split!r}")
-    if isinstance(chunks_per_program, bool) or not isinstance(chunks_per_program, int) or chunks_per_program < 1 \
+    if chunks_per_program == "auto":
+        chunks_per_program = default_chunks_per_program(target, gate or "none", N)
+    elif isinstance(chunks_per_program, bool) or not isinstance(chunks_per_program, int) or chunks_per_program < 1 \
             or N % chunks_per_program or (chunks_per_program > 1 and target != "gpu"):
-        raise ValueError(f"`chunks_per_program` must be a positive int dividing the number of chunks (T = {T} is "
-                         f"{N} chunks of {C}; above 1 on GPUs only), got {chunks_per_program!r}")
+        raise ValueError(f"`chunks_per_program` must be 'auto' or a positive int dividing the number of chunks "
+                         f"(T = {T} is {N} chunks of {C}; above 1 on GPUs only), got {chunks_per_program!r}")
     BHs = B * state_split * H  # sequences × heads the state passes run on
     if state_bwd == "auto":
         state_bwd = "triton" if target == "tpu" else default_state_bwd(BHs, C, K, V, io_dtype, bool(interpret),
@@ -1010,8 +1025,8 @@ _DOC = """
       ``fuse_output``, ``state_bwd``, ``inverse``, ``state_split`` (``"auto"`` or P: the
       state passes run P segments of every sequence at once; P divides the chunk count),
       ``grid_order`` (launch order of the parallel kernels' grid: ``GRID_ORDERS``) and
-      ``chunks_per_program`` (GPU: each program of the backward's intra-chunk kernels loops over
-      that many chunks, pipelining their loads; it divides the chunk count).
+      ``chunks_per_program`` (``"auto"`` or G: on GPUs each program of the backward's intra-chunk
+      kernels loops over G chunks, pipelining their loads; G divides the chunk count).
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """

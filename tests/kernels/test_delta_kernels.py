@@ -271,6 +271,21 @@ def test_chunks_per_program(rule, G):
         kd.chunk_delta_rule(q, k, v, beta, target="tpu", chunks_per_program=2)
 
 
+def test_default_chunks_per_program():
+    """``chunks_per_program="auto"``: on GPUs ``PROGRAM_CHUNKS`` chunks a program where that divides the
+    chunk count, except for the scalar gate (GDN); 1 on TPUs."""
+    from kernels.delta import api
+    G = api.PROGRAM_CHUNKS
+    assert api.default_chunks_per_program("gpu", "none", 4 * G) == G
+    assert api.default_chunks_per_program("gpu", "channel", 4 * G) == G
+    assert api.default_chunks_per_program("gpu", "scalar", 4 * G) == 1
+    assert api.default_chunks_per_program("gpu", "none", 4 * G + 1) == 1
+    assert api.default_chunks_per_program("tpu", "none", 4 * G) == 1
+    x = jnp.zeros((1, 256, 2, 16), jnp.bfloat16)
+    assert api._debug_spec(x, x, x, None, x[..., 0])[0].chunks_per_program == G        # 8 chunks of 32
+    assert api._debug_spec(x, x, x, x[..., 0].astype(jnp.float32), x[..., 0])[0].chunks_per_program == 1  # GDN
+
+
 def test_default_state_split():
     """``default_state_split``: on GPUs, only where the unsplit passes would launch fewer than
     ``STATE_PROGRAMS`` programs of 32 value columns; then segments double until ``SPLIT_SEQUENCES``
