@@ -102,3 +102,17 @@ def test_profile_lists_the_kernels_of_one_call(tiny, monkeypatch):
         assert r["top"] and r["busy_ms_per_call"] >= sum(t["ms_per_call"] for t in r["top"]) * (1 - 1e-9)
         assert all(t["ms_per_call"] >= 0 and t["launches_per_call"] > 0 for t in r["top"])
     assert "(1, 64) delta fwd pallas: busy" in kb.profile_table(res, "(1, 64) delta fwd")
+
+
+def test_bench_times_steady_state_and_synchronized_calls(tiny, monkeypatch):
+    """``--parts bench`` (ours only: no GPU here): every row has the steady-state time and the
+    synchronized-call time, and the table shows both."""
+    monkeypatch.setattr(kb, "time_jax_sync", lambda f, *a, reps=1, warmup=0: kb.C.timed_calls(f, a, 1)[0] * 1e3)
+    monkeypatch.setattr(kb, "PALLAS_TUNING", {"inverse": "loop"})
+    res = {}
+    kb.part_bench(res, [(1, 64)], 1, ["pallas"], True, rules=("delta",), chunk_size=32)
+    rows = res["bench"]
+    assert [(r["method"], r["mode"]) for r in rows] == [("pallas", "fwdbwd"), ("pallas", "fwd")]
+    assert all(r["ms"] > 0 and r["ms_sync"] > 0 for r in rows)
+    table = kb.summarize(res)
+    assert "synchronized calls" in table and "| (1, 64) | delta | fwd |" in table
