@@ -36,10 +36,11 @@ triangle matmuls and the solve is forward substitution on 16×16 tiles.
 
 Gate kinds (:class:`~kernels.delta.tiles.Cfg` ``gate``): "none" (DeltaNet), "scalar" (Gated
 DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is one
-``[16, 16]`` ``exp`` of in-tile differences — DeltaNet's cost plus a few small elementwise
-ops) and "channel" (KDA: a 16×16 diagonal tile is one matmul anchored at its middle row when
-its gates keep ``|G_i − G_mid| <= 64`` — always with ``gate_lower_bound``; on GPUs the exact
-kernels decide it per tile at run time (``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an
+``[16, 16]`` ``exp`` of in-tile differences; the gate's gradient — row sums, in-tile prefix
+sums and ``Σ S ⊙ dS`` — makes the backward's scores kernel 2.4× DeltaNet's on one H200, three
+quarters of the difference between their fwd+bwd times: docs/benchmarks.md) and "channel"
+(KDA: a 16×16 diagonal tile is one matmul anchored at its middle row when its gates keep
+``|G_i − G_mid| <= 64`` — always with ``gate_lower_bound``; on GPUs the exact kernels decide it per tile at run time (``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an
 exact 16-step loop on the tiles whose gates are steeper. On one H200 (bf16, B 2, T 8192, H 16,
 D 128, the benchmark's gates ``>= −0.2``) the intra-chunk forward kernel takes 1.32 ms this way
 against 3.91 ms with the loop on every tile: docs/benchmarks.md).
@@ -1054,7 +1055,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=N
 chunk_delta_rule.__doc__ = "DeltaNet, ``S_t = (I − β_t k_tᵀk_t) S_{t−1} + β_t k_tᵀv_t``, by Pallas kernels." + _DOC
 chunk_gated_delta_rule.__doc__ = ("Gated DeltaNet (``g [B, T, H]`` log-decay, one scalar per head), by Pallas "
                                   "kernels (scalar-gate variants: each score tile's decay is one ``[16, 16]`` "
-                                  "``exp`` of differences, so it costs about what DeltaNet does)." + _DOC)
+                                  "``exp`` of differences; fwd+bwd takes about 1.5× DeltaNet's, most of the difference "
+                                  "the gate's gradient in the backward)." + _DOC)
 _BOUND_DOC = """      gate_lower_bound: opt-in bounded-gate mode (e.g. ``-5.0`` for K3's ``g = −5·σ(·)``), in
         ``[-8, 0)``: the caller promises ``g >= gate_lower_bound`` everywhere. Each 16-token
         diagonal tile is then anchored at its middle row (``|G_i − G_mid| <= 8·|bound|``, so
