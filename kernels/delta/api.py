@@ -35,15 +35,16 @@ VMEM scratch buffer. No cumsum or triangular solve is lowered: prefix sums are
 triangle matmuls and the solve is forward substitution on 16×16 tiles.
 
 Gate kinds (:class:`~kernels.delta.tiles.Cfg` ``gate``): "none" (DeltaNet), "scalar" (Gated
-DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is one
-``[16, 16]`` ``exp`` of in-tile differences; the gate's gradient — row sums, in-tile prefix
-sums and ``Σ S ⊙ dS`` — makes the backward's scores kernel 2.4× DeltaNet's on one H200, three
-quarters of the difference between their fwd+bwd times: docs/benchmarks.md) and "channel"
-(KDA: a 16×16 diagonal tile is one matmul anchored at its middle row when its gates keep
-``|G_i − G_mid| <= 64`` — always with ``gate_lower_bound``; on GPUs the exact kernels decide it per tile at run time (``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an
-exact 16-step loop on the tiles whose gates are steeper. On one H200 (bf16, B 2, T 8192, H 16,
-D 128, the benchmark's gates ``>= −0.2``) the intra-chunk forward kernel takes 1.32 ms this way
-against 3.91 ms with the loop on every tile: docs/benchmarks.md).
+DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is one ``[16, 16]``
+``exp`` of in-tile differences; the gate's gradient — row sums, in-tile prefix sums and ``Σ S ⊙
+dS`` — makes the backward's scores kernel 2.4× DeltaNet's on one H200, three quarters of the
+difference between their fwd+bwd times: docs/benchmarks.md) and "channel" (KDA: a 16×16 diagonal
+tile is one matmul anchored at its middle row when its gates keep ``|G_i − G_mid| <= 64`` — always
+with ``gate_lower_bound``; on GPUs the exact kernels decide it per tile at run time
+(``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an exact 16-step loop on the tiles whose
+gates are steeper. On one H200 (bf16, B 2, T 8192, H 16, D 128, the benchmark's gates ``>= −0.2``)
+the intra-chunk forward kernel takes 1.32 ms this way against 3.91 ms with the loop on every tile:
+docs/benchmarks.md).
 
 Entry points: :func:`chunk_delta_rule`, :func:`chunk_gated_delta_rule`,
 :func:`chunk_kda` — ``[B, T, H, D]`` in, ``(o [B, T, H, V], S [B, H, K, V] f32)``
