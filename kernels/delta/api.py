@@ -36,8 +36,8 @@ triangle matmuls and the solve is forward substitution on 16×16 tiles.
 
 Gate kinds (:class:`~kernels.delta.tiles.Cfg` ``gate``): "none" (DeltaNet), "scalar" (Gated
 DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is one ``[16, 16]``
-``exp`` of in-tile differences; the gate's gradient — row sums, in-tile prefix sums and ``Σ S ⊙
-dS`` — makes the backward's scores kernel 2.4× DeltaNet's on one H200, three quarters of the
+``exp`` of in-tile differences; the gate's gradient — row sums, in-tile prefix sums and
+``Σ S ⊙ dS`` — makes the backward's scores kernel 2.4× DeltaNet's on one H200, three quarters of the
 difference between their fwd+bwd times: docs/benchmarks.md) and "channel" (KDA: a 16×16 diagonal
 tile is one matmul anchored at its middle row when its gates keep ``|G_i − G_mid| <= 64`` — always
 with ``gate_lower_bound``; on GPUs the exact kernels decide it per tile at run time
