@@ -256,13 +256,15 @@ def test_grid_order(rule, target, order):
         kd.chunk_delta_rule(q, k, v, beta, target=target, grid_order="bnn")
 
 
-@pytest.mark.parametrize("rule,G", [("kda", 3), ("gdn", 3), pytest.param("delta", 3, marks=pytest.mark.slow)])
-def test_chunks_per_program(rule, G):
+@pytest.mark.parametrize("rule,G,order", [("kda", 3, "bhn"), ("gdn", 3, "nbh"),
+                                           pytest.param("delta", 3, "bhn", marks=pytest.mark.slow)])
+def test_chunks_per_program(rule, G, order):
     """``chunks_per_program``: each program of the backward's intra-chunk kernels loops over G chunks
     of a G-chunk block (``api._ChunkView``; here all 3 chunks of a sequence) — forward, final state
     and every gradient equal the reference's, with resets and an initial state; G must divide the
-    chunk count and is GPU-only (both named)."""
-    check(rule, make_inputs(11), True, 1e-4, tuning=(("chunks_per_program", G),))
+    chunk count and is GPU-only (both named). With ``grid_order`` the grouped grid is launched in
+    that order."""
+    check(rule, make_inputs(11), True, 1e-4, tuning=(("chunks_per_program", G), ("grid_order", order)))
     x = make_inputs(6)
     q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
     with pytest.raises(ValueError, match="chunks_per_program"):
