@@ -249,6 +249,13 @@ def jax_fwdbwd(fn):
     return jax.jit(f)
 
 
+def rule_call(fn, mode, x):
+    """``(jitted call, its arguments)``: ``fn`` (a :func:`rule_fn`) as a forward (``mode="fwd"``) or
+    forward and vjp (``"fwdbwd"``) on :func:`make_inputs`' arrays ``x``."""
+    a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
+    return (jax_fwd(fn), a6) if mode == "fwd" else (jax_fwdbwd(fn), (*a6, x["do"]))
+
+
 # ---------------------------------------------------------------------------
 # Parts
 # ---------------------------------------------------------------------------
@@ -445,7 +452,6 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
     rows = results.setdefault("bench", [])
     for (B, T) in shapes:
         x = make_inputs(B, T)
-        a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
         for rule in rules:
             fl_f, fl_fb = delta_flops(B, T, H, D)
             by_f, by_fb = delta_bytes(B, T, H, D, rule)
@@ -459,10 +465,8 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                         continue
                     ms_sync = None
                     try:
-                        if mode == "fwd":
-                            f, args = jax_fwd(fn), a6
-                        else:
-                            f, args = jax_fwdbwd(fn), (*a6, x["do"])
+                        f, args = rule_call(fn, mode, x)
+                        if mode == "fwdbwd":
                             outs[method] = f(*args)
                         ms = time_jax(f, *args, reps=reps)
                         ms_sync = time_jax_sync(f, *args, reps=reps)
@@ -512,7 +516,7 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                 rows.append(dict(B=B, T=T, rule="attention", method="cudnn", mode=mode, ms=ms,
                                  flops=af if mode == "fwd" else afb, bytes=ab if mode == "fwd" else abb))
                 log("bench", B, T, "attention cudnn", mode, ms)
-        del x, a6
+        del x
 
 
 PROFILE_CALLS = 5
@@ -558,14 +562,11 @@ def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_
             log("budget reached: skipping profile", (B, T))
             continue
         x = make_inputs(B, T)
-        a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
         keys = [(rule, mode, f"({B}, {T}) {rule} {mode}") for rule in rules for mode in ("fwd", "fwdbwd")]
         # all of ours first: once torch's profiler has subscribed to CUPTI, jax.profiler's tracer cannot
         for rule, mode, key in keys if "pallas" in methods else ():
             try:
-                fn = rule_fn(rule, "pallas", chunk_size=chunk_size)
-                f = jax_fwd(fn) if mode == "fwd" else jax_fwdbwd(fn)
-                args = a6 if mode == "fwd" else (*a6, x["do"])
+                f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size), mode, x)
                 jax.block_until_ready(f(*args))
                 s = op_profile.profile(lambda: f(*args), calls=PROFILE_CALLS, top=20)
                 out[key + " pallas"] = {"busy_ms_per_call": s["busy_ms_per_call"], "source": s["source"],
@@ -586,7 +587,7 @@ def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_
             del tx
         for _, _, key in keys:
             log(profile_table(results, key))
-        del x, a6
+        del x
 
 
 def profile_table(results, key) -> str:
@@ -619,13 +620,11 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
             log("budget reached: skipping ab", (B, T))
             continue
         x = make_inputs(B, T)
-        a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
         for rule in rules:
             for mode in modes:
-                fs, args = [], a6 if mode == "fwd" else (*a6, x["do"])
+                fs = []
                 for tun in (tun_a, tun_b):
-                    fn = rule_fn(rule, "pallas", chunk_size=chunk_size, tuning=tun)
-                    f = jax_fwd(fn) if mode == "fwd" else jax_fwdbwd(fn)
+                    f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size, tuning=tun), mode, x)
                     jax.block_until_ready(f(*args))  # compile
                     fs.append(f)
                 ta, tb = [], []
