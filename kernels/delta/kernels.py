@@ -175,7 +175,7 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
         nxt = _ahead(n_chunks, n, 1, small)
         if h_ref is not None:
             h_ref[n] = S.astype(h_ref.dtype)
-        rows = pl.ds(pl.multiple_of(n * C, C), C)
+        rows = _chunk_rows(n, C)
         S_n = S
         ut, S = state_fwd_step(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :], d, eout)
         if ut_ref is not None:
@@ -287,7 +287,7 @@ def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs, stores: bool = True):
         nxt = _ahead(n_chunks, n, -1, small)
         if dh_ref is not None:
             dh_ref[n] = dS.astype(dh_ref.dtype)
-        rows = pl.ds(pl.multiple_of(n * C, C), C)
+        rows = _chunk_rows(n, C)
         dut, dS = state_bwd_step(cfg, dS, m_ref[rows, :], do_ref[rows, :], ko_ref[rows, :], qi_ref[rows, :],
                                  w_ref[rows, :], d, ein if cols else _ein(cfg, None, rows), eout)
         if dut_ref is not None:
