@@ -618,9 +618,9 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
     grid = (s.B, s.H, s.N)
     sh = lambda D, dt: jax.ShapeDtypeStruct(_tok_shape(s, D), dt)  # noqa: E731
     outs, out_specs = [sh(K, q.dtype), sh(K, k.dtype), sh(1, beta.dtype)], [tk, tk, t1]   # dq, dk, dβ[, dg]
-    if g is not None:
-        outs.append(sh(K if s.cfg.channel else 1, g.dtype))
-        out_specs.append(tk if s.cfg.channel else t1)
+    if g is not None:  # the gate's gradient, or (scalar gates) its two per-row parts (_gate_grad)
+        outs += [sh(K, g.dtype)] if s.cfg.channel else [sh(1, F32), sh(1, F32)]
+        out_specs += [tk] if s.cfg.channel else [t1, t1]
     cfg = s.cfg if s.anchored_bwd == "scores" else dataclasses.replace(s.cfg, gate_bound=None,
                                                                          anchor_when_safe=False)
     if s.target == "tpu":
@@ -628,7 +628,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
             s, functools.partial(kn.intra_bwd, cfg), grid=grid,
             in_specs=specs + [tc, tv, tv, tv, chv, chv], out_specs=out_specs[:2] + [tv] + out_specs[2:],
             out_shape=outs[:2] + [sh(V, v.dtype)] + outs[2:], semantics=par)(*args, KK, ut, dut, do, h, dh)
-        return (dq, dk, dv, dbeta, *dg)
+        return (dq, dk, dv, dbeta, *_gate_grad(s, dg, g))
     sargs, sspecs = [v, beta], [tv, t1]
     if doc is not None:
         sargs.append(doc)
@@ -642,7 +642,31 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
         in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par, group=True,
         warps=s.num_warps_scores,
     )(*args, ut, do, h, dh, dkk, dru, dbp)
-    return (dq, dk, dv, dbeta, *dg)
+    return (dq, dk, dv, dbeta, *_gate_grad(s, dg, g))
+
+
+def _gate_grad(s: Spec, parts, g):
+    """``(dg,)`` from the scores kernel's gate outputs (``()`` ungated). Per-channel gates: the kernel's
+    ``dg``. Scalar gates: the kernel stores the per-row parts ``dG`` (``dG_C`` in each chunk's last row)
+    and ``dE`` (:func:`kernels.delta.kernels._store_dg`); here ``dg_s = Σ_{i >= s} dG_i + Σ_{i < s} dE_i``
+    within each chunk, in f32."""
+    if g is None or s.cfg.channel:
+        return tuple(parts)
+    dG, dE = parts
+    ax = 1 if s.target == "gpu" else 2  # the token axis of the laid-out arrays
+    C = s.cfg.chunk
+
+    def chunked(x):
+        return x.reshape(x.shape[:ax] + (x.shape[ax] // C, C) + x.shape[ax + 1:])
+
+    shape = dG.shape
+    dG, dE = chunked(dG), chunked(dE)
+    rev = jnp.flip(jnp.cumsum(jnp.flip(dG, ax + 1), axis=ax + 1), ax + 1)
+    fwd = jnp.cumsum(dE, axis=ax + 1)
+    pad = [(0, 0)] * fwd.ndim
+    pad[ax + 1] = (1, 0)
+    excl = lax.slice_in_dim(jnp.pad(fwd, pad), 0, C, axis=ax + 1)
+    return ((rev + excl).reshape(shape).astype(g.dtype),)
 
 
 # ---------------------------------------------------------------------------

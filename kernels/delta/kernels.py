@@ -142,6 +142,16 @@ def _decays(cfg: Cfg) -> bool:
     return cfg.gated or cfg.docs
 
 
+def _d_end(cfg: Cfg, dend_ref, n):
+    """Chunk ``n``'s decay for the state loops: ``[K, 1]`` (per-channel gates), a scalar (scalar gates,
+    document resets: ``d_end`` is one number stored down the column — a scalar multiplies the state
+    in any layout, where a ``[K, 1]`` column had to be moved into the state's layout every step),
+    or None (no decay)."""
+    if not _decays(cfg):
+        return None
+    return dend_ref[n].astype(F32) if cfg.channel else dend_ref[n, 0, 0].astype(F32)
+
+
 def _chunk_rows(n, C):
     """The token rows of chunk ``n`` (a traced index, or a Python int before the loop)."""
     return pl.ds(n * C if isinstance(n, int) else pl.multiple_of(n * C, C), C)
@@ -167,7 +177,7 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
 
     def small(n):  # the step's operands outside its matmuls: d_end, eout (and ein for the output)
         rows = _chunk_rows(n, C)
-        return (dend_ref[n].astype(F32) if _decays(cfg) else None, _rows(eout_ref, rows),
+        return (_d_end(cfg, dend_ref, n), _rows(eout_ref, rows),
                 ein_ref[rows, :] if (cols and o_ref is not None) else None)
 
     def body(n, carry):
@@ -278,7 +288,7 @@ def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs, stores: bool = True):
 
     def small(n):  # as in state_fwd_loop: d_end and the row factors, one iteration ahead
         rows = _chunk_rows(n, C)
-        return (dend_ref[n].astype(F32) if _decays(cfg) else None, _rows(eout_ref, rows),
+        return (_d_end(cfg, dend_ref, n), _rows(eout_ref, rows),
                 ein_ref[rows, :] if cols else None)
 
     def body(i, carry):
@@ -382,8 +392,8 @@ def _bwd_solve(cfg: Cfg, ch: Chunk, r, kk_ref, dut_ref, ut_ref, dv_ref):
 
 
 def _bwd_scores(cfg: Cfg, ch: Chunk, r, do_ref, ut_ref, h_ref, dh_ref, dKK, get_dru, get_dbeta, dq_ref, dk_ref,
-                dbeta_ref, dg_ref):
-    """Stores ``dq, dk, dβ`` and ``dg`` (gated), from :func:`_bwd_solve`'s ``dKK``, ``dR_u`` and
+                dbeta_ref, dg_refs):
+    """Stores ``dq, dk, dβ`` and the gate's gradient (gated: :func:`_store_dg` into ``dg_refs``), from :func:`_bwd_solve`'s ``dKK``, ``dR_u`` and
     partial ``dβ`` (``get_dru(I)``, ``get_dbeta(I)``: per tile). The decayed scores (and their
     16-step loops) first, then ``dO Sᵀ`` and ``dR_w = −dR_u Sᵀ``, then ``Ũ dSᵀ``, so that those
     ``[16, K]`` tiles are not live across the loops."""
@@ -456,31 +466,53 @@ def _bwd_scores(cfg: Cfg, ch: Chunk, r, do_ref, ut_ref, h_ref, dh_ref, dKK, get_
     # -- the state pass's per-chunk inputs, and assemble: dq with S (dO Sᵀ), then dk with dS (Ũ dSᵀ)
     # and β ⊙ dR_w, tile by tile — never both [K, V] states nor all [16, K] partials live at once.
     S = h_ref[...]
-    dGq, dRws = [], []
+    dG, dRws = [], []
     for I in range(nb):
         dqin = mm(cfg, do_ref[pl.ds(I * SUB, SUB), :], S, tb=True)
-        store_rows(dq_ref, I * SUB, (_mul(dqin, ch.Ein[I]) + dqS[I] + dMd[I] * k[I]) * cfg.scale)
-        if cfg.gated:
-            dGq.append(_gate_sum(cfg, q[I] * dqS[I] + ch.Ein[I] * (q[I] * dqin)))
+        dq_gated = _mul(dqin, ch.Ein[I]) + dqS[I]  # dq's gate-dependent part
+        store_rows(dq_ref, I * SUB, (dq_gated + dMd[I] * k[I]) * cfg.scale)
         dRw = -mm(cfg, get_dru(I), S, tb=True)
-        store_rows(dbeta_ref, I * SUB, get_dbeta(I) + jnp.sum(_mul(k[I], ch.Ein[I]) * dRw, axis=1, keepdims=True))
-        dRws.append(load_rows(r["beta"], I * SUB, SUB) * dRw)
+        kdRw = _mul(k[I], ch.Ein[I]) * dRw
+        db = jnp.sum(kdRw, axis=1, keepdims=True)
+        store_rows(dbeta_ref, I * SUB, get_dbeta(I) + db)
+        beta = load_rows(r["beta"], I * SUB, SUB)
+        dRws.append(beta * dRw)
+        if cfg.gated:
+            # the gate's row side: q through e^{G_i} and the scores' rows, k through W = β k ⊙ E_in
+            # (the channel sum of k E_in β dR_w is β times dβ's row sum)
+            dG.append(dGk[I] + _gate_sum(cfg, q[I] * dq_gated) + (beta * kdRw if cfg.channel else beta * db))
     dS = dh_ref[...]
-    dG, dE = [], []
+    dE = []
     for I in range(nb):
         dkout = mm(cfg, ut_ref[pl.ds(I * SUB, SUB), :], dS, tb=True)
-        dRw_b = dRws[I]
-        store_rows(dk_ref, I * SUB, _mul(dRw_b, ch.Ein[I]) + _mul(dkout, ch.Eout[I]) + dkLR[I])
+        store_rows(dk_ref, I * SUB, _mul(dRws[I], ch.Ein[I]) + _mul(dkout, ch.Eout[I]) + dkLR[I])
         if cfg.gated:
-            # dg_s = Σ_{i >= s} dG_i + Σ_{i < s} dE_i + dG_C: dG_i the gradient w.r.t. G_i through
-            # e^{G_i} and the row side of the scores, minus their column side; dE_i that through
-            # e^{G_C − G_i} (which depends on g_s for s > i only — a forward prefix sum, so a large
-            # e^{G_C − G_i} near the chunk end never cancels against small earlier terms).
-            dG.append(dGq[I] + dGk[I] + _gate_sum(cfg, ch.Ein[I] * (dRw_b * k[I])))
-            dE.append(_gate_sum(cfg, ch.Eout[I] * (k[I] * dkout)))
-    if not cfg.gated:
+            dE.append(_gate_sum(cfg, k[I] * dkout, ch.Eout[I]))
+    if cfg.gated:
+        _store_dg(cfg, dG, dE, _state_dot(cfg, h_ref, dh_ref) * ch.d_end, dg_refs)
+
+
+def _store_dg(cfg: Cfg, dG, dE, dGC, dg_refs):
+    """The gate's gradient from its per-row parts (``[16, 1]`` or ``[16, K]`` tiles): with ``G_i`` the
+    gate's in-chunk prefix sum, ``dg_s = Σ_{i >= s} dG_i + Σ_{i < s} dE_i + dG_C`` — ``dG_i`` the
+    gradient w.r.t. ``G_i`` through ``e^{G_i}`` and the row side of the scores, minus their column
+    side; ``dE_i`` that through ``e^{G_C − G_i}`` (which depends on ``g_s`` for ``s > i`` only — a
+    forward prefix sum, so a large ``e^{G_C − G_i}`` near the chunk end never cancels against small
+    earlier terms); ``dG_C`` through the chunk's decay ``e^{G_C}`` (``Σ S ⊙ dS e^{G_C}``).
+
+    Per-channel gates: the prefix sums run here (``[16, K]``: triangle matmuls) into ``dg``. Scalar
+    gates: the kernel stores the two ``[C, 1]`` columns, ``dG`` with ``dG_C`` added to its last row,
+    and ``dE``; :func:`kernels.delta.api._gate_grad` takes their prefix sums (in a ``[16, 1]``
+    column each is a chain of shuffles: ~200 of the kernel's ~5000 instructions, and the tails
+    across tiles as many again)."""
+    nb = len(dG)
+    if not cfg.channel:
+        dg_ref, de_ref = dg_refs
+        last = jnp.where(iota((SUB, 1), 0) == SUB - 1, dGC, 0.0)
+        _store_tiles(dg_ref, dG[:-1] + [dG[-1] + last])
+        _store_tiles(de_ref, dE)
         return
-    dGC = _state_dot(cfg, h_ref, dh_ref) * ch.d_end
+    (dg_ref,) = dg_refs
     tail = [None] * nb
     acc = dGC
     for I in reversed(range(nb)):
@@ -496,23 +528,24 @@ def _bwd_scores(cfg: Cfg, ch: Chunk, r, do_ref, ut_ref, h_ref, dh_ref, dKK, get_
         head = h if head is None else head + h
 
 
-def _gate_sum(cfg: Cfg, x):
-    """A scalar gate feeds every channel: its gradient is their sum."""
-    return x if cfg.channel else jnp.sum(x, axis=1, keepdims=True)
+def _gate_sum(cfg: Cfg, x, f=None):
+    """A scalar gate feeds every channel: its gradient is their sum (of ``x ⊙ f``; a ``[16, 1]`` row
+    factor ``f`` multiplies the sum)."""
+    return _mul(x, f) if cfg.channel else _mul(jnp.sum(x, axis=1, keepdims=True), f)
 
 
 def _state_dot(cfg: Cfg, h_ref, dh_ref):
-    """``Σ_v S ⊙ dS``: ``[1, K]`` (per-channel gate) or ``[1, 1]``, over 16-row blocks of the states."""
+    """``Σ_v S ⊙ dS``: ``[1, K]`` (per-channel gate) or ``[1, 1]``, over 16-row blocks of the states
+    (scalar gates: the blocks' products summed elementwise, then one reduction)."""
     K = h_ref.shape[0]
     acc = None
     for b in range(K // SUB):
-        c = jnp.sum(load_rows(h_ref, b * SUB, SUB) * load_rows(dh_ref, b * SUB, SUB), axis=1, keepdims=True)
+        p = load_rows(h_ref, b * SUB, SUB) * load_rows(dh_ref, b * SUB, SUB)
         if cfg.channel:  # [16, 1] -> its 16 places of a [1, K] row
-            c = jnp.sum(jnp.where(iota((SUB, K), 1) == iota((SUB, K), 0) + b * SUB, c, 0.0), axis=0, keepdims=True)
-        else:
-            c = jnp.sum(c, axis=0, keepdims=True)
-        acc = c if acc is None else acc + c
-    return acc
+            c = jnp.sum(p, axis=1, keepdims=True)
+            p = jnp.sum(jnp.where(iota((SUB, K), 1) == iota((SUB, K), 0) + b * SUB, c, 0.0), axis=0, keepdims=True)
+        acc = p if acc is None else acc + p
+    return acc if cfg.channel else jnp.sum(jnp.sum(acc, axis=1, keepdims=True), axis=0, keepdims=True)
 
 
 def _store_tiles(ref, tiles, scale=None):
@@ -560,15 +593,15 @@ def intra_bwd_solve(cfg: Cfg, *refs):
 
 
 def intra_bwd_scores(cfg: Cfg, *refs):
-    """GPU, second half: ``dq, dk, dβ, dg`` from the first half's hand-off."""
+    """GPU, second half: ``dq, dk, dβ`` and the gate's gradient (:func:`_store_dg`) from the first
+    half's hand-off."""
     r, rest = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
     ut_ref, do_ref, h_ref, dh_ref, dkk_ref, dru_ref, dbp_ref = rest[:7]
     dq_ref, dk_ref, dbeta_ref = rest[7:10]
-    dg_ref = rest[10] if cfg.gated else None
     ch = Chunk(cfg, r["g"], r["doc"])
     _bwd_scores(cfg, ch, r, do_ref, ut_ref, h_ref, dh_ref, _load_lower(dkk_ref, cfg.nb),
                 lambda I: load_rows(dru_ref, I * SUB, SUB), lambda I: load_rows(dbp_ref, I * SUB, SUB),
-                dq_ref, dk_ref, dbeta_ref, dg_ref)
+                dq_ref, dk_ref, dbeta_ref, rest[10:])
 
 
 def intra_bwd(cfg: Cfg, *refs):
@@ -576,8 +609,7 @@ def intra_bwd(cfg: Cfg, *refs):
     r, rest = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
     kk_ref, ut_ref, dut_ref, do_ref, h_ref, dh_ref = rest[:6]
     dq_ref, dk_ref, dv_ref, dbeta_ref = rest[6:10]
-    dg_ref = rest[10] if cfg.gated else None
     ch = Chunk(cfg, r["g"], r["doc"])
     dKK, dRu, dbeta = _bwd_solve(cfg, ch, r, kk_ref, dut_ref, ut_ref, dv_ref)
     _bwd_scores(cfg, ch, r, do_ref, ut_ref, h_ref, dh_ref, dKK, lambda I: dRu[I], lambda I: dbeta[I],
-                dq_ref, dk_ref, dbeta_ref, dg_ref)
+                dq_ref, dk_ref, dbeta_ref, rest[10:])
