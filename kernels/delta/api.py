@@ -36,9 +36,10 @@ triangle matmuls and the solve is forward substitution on 16×16 tiles.
 
 Gate kinds (:class:`~kernels.delta.tiles.Cfg` ``gate``): "none" (DeltaNet), "scalar" (Gated
 DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is one ``[16, 16]``
-``exp`` of in-tile differences; the gate's gradient — row sums, in-tile prefix sums and
-``Σ S ⊙ dS`` — makes the backward's scores kernel 2.4× DeltaNet's on one H200, three quarters of the
-difference between their fwd+bwd times: docs/benchmarks.md) and "channel" (KDA: a 16×16 diagonal
+``exp`` of in-tile differences; the gate's gradient — row sums and ``Σ S ⊙ dS`` in the scores
+kernel, the in-chunk prefix sums after it in XLA (:func:`_gate_grad`) — makes the backward's scores
+kernel 1.9× DeltaNet's on one H200, about half the difference between their fwd+bwd times:
+docs/benchmarks.md) and "channel" (KDA: a 16×16 diagonal
 tile is one matmul anchored at its middle row when its gates keep ``|G_i − G_mid| <= 64`` — always
 with ``gate_lower_bound``; on GPUs the exact kernels decide it per tile at run time
 (``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an exact 16-step loop on the tiles whose
@@ -772,8 +773,8 @@ def default_bv(BH: int, V: int) -> int:
 def default_chunks_per_program(target: str, gate: str, N: int) -> int:
     """Chunks per program of the backward's intra-chunk kernels (``chunks_per_program="auto"``): on
     GPUs ``PROGRAM_CHUNKS`` where it divides the chunk count, except for scalar gates (GDN), whose
-    scores kernel already spills and took longer looping (paired, one H200: DeltaNet and KDA
-    fwd+bwd 0.88–0.96×, GDN 1.07×; ``docs/benchmarks.md``); 1 on TPUs."""
+    scores kernel spills and took longer looping (paired, one H200: DeltaNet and KDA fwd+bwd
+    0.88–0.96×, GDN 1.05×; ``docs/benchmarks.md``); 1 on TPUs."""
     if target != "gpu" or gate == "scalar" or N % PROGRAM_CHUNKS:
         return 1
     return PROGRAM_CHUNKS

@@ -460,7 +460,7 @@ def _bwd_scores(cfg: Cfg, ch: Chunk, r, do_ref, ut_ref, h_ref, dh_ref, dKK, get_
         dqS[I], dkL[I], dkR[I] = ch.diag_tile(I, anchored_tile, exact_tile)
 
     # dk's score terms in one tile, and the gate's row sums of k ⊙ (dkL − dkR), before S and dS are
-    # loaded: dkL and dkR die here (ptxas, GDN: 536 B of spill against 844 keeping them to the dk store)
+    # loaded: dkL and dkR die here rather than live on to the dk store
     dGk = [_gate_sum(cfg, k[I] * (dkL[I] - dkR[I])) if cfg.gated else None for I in range(nb)]
     dkLR = [dkL[I] + dkR[I] + dMd[I] * q[I] for I in range(nb)]
     # -- the state pass's per-chunk inputs, and assemble: dq with S (dO Sᵀ), then dk with dS (Ũ dSᵀ)
