@@ -241,19 +241,35 @@ def jax_fwd(fn):
     return jax.jit(lambda q, k, v, g, gs, beta: fn(q, k, v, g, gs, beta)[0])
 
 
-def jax_fwdbwd(fn):
-    """One jit: forward and the vjp; returns ``(o, S, grads)`` (the check reads them, timing too)."""
+# The inputs each rule reads, by position in ``(q, k, v, g, gs, beta)``: the fwd+bwd call takes
+# gradients of these only, as fla's does (a zero gradient of an unread [B, T, H, K] gate would be
+# written to memory on every call).
+RULE_ARGS = {"kda": (0, 1, 2, 3, 5), "kdab": (0, 1, 2, 3, 5), "gdn": (0, 1, 2, 4, 5), "delta": (0, 1, 2, 5)}
+
+
+def jax_fwdbwd(fn, wrt=tuple(range(6))):
+    """One jit: forward and the vjp w.r.t. the inputs at positions ``wrt``; returns ``(o, S, grads)``
+    (the check reads them, timing too)."""
     def f(q, k, v, g, gs, beta, do):
-        (o, S), pull = jax.vjp(fn, q, k, v, g, gs, beta)
+        args = [q, k, v, g, gs, beta]
+
+        def part(*diff):
+            full = list(args)
+            for i, a in zip(wrt, diff):
+                full[i] = a
+            return fn(*full)
+
+        (o, S), pull = jax.vjp(part, *(args[i] for i in wrt))
         return o, S, pull((do, jnp.zeros_like(S)))
     return jax.jit(f)
 
 
-def rule_call(fn, mode, x):
-    """``(jitted call, its arguments)``: ``fn`` (a :func:`rule_fn`) as a forward (``mode="fwd"``) or
-    forward and vjp (``"fwdbwd"``) on :func:`make_inputs`' arrays ``x``."""
+def rule_call(fn, mode, x, rule):
+    """``(jitted call, its arguments)``: ``fn`` (a :func:`rule_fn` of ``rule``) as a forward
+    (``mode="fwd"``) or forward and vjp w.r.t. the rule's inputs (``"fwdbwd"``) on
+    :func:`make_inputs`' arrays ``x``."""
     a6 = (x["q"], x["k"], x["v"], x["g"], x["gs"], x["beta"])
-    return (jax_fwd(fn), a6) if mode == "fwd" else (jax_fwdbwd(fn), (*a6, x["do"]))
+    return (jax_fwd(fn), a6) if mode == "fwd" else (jax_fwdbwd(fn, RULE_ARGS[rule]), (*a6, x["do"]))
 
 
 # ---------------------------------------------------------------------------
@@ -270,11 +286,12 @@ def rel(a, b):
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dgs", "dbeta")
 
 
-def compare(out_p, out_x, tol):
+def compare(out_p, out_x, tol, wrt=tuple(range(6))):
+    """Relative errors of ``o``, the final state and the gradients w.r.t. the inputs at ``wrt``."""
     o1, s1, g1 = out_p
     o0, s0, g0 = out_x
     e = {"o": rel(o1, o0), "S": rel(s1, s0)}
-    for nm, a, b in zip(GRAD_NAMES, g1, g0):
+    for nm, a, b in zip([GRAD_NAMES[i] for i in wrt], g1, g0):
         if float(jnp.max(jnp.abs(jnp.asarray(b, jnp.float32)))) > 0:
             e[nm] = rel(a, b)
     e["pass"] = all(v <= tol for v in e.values() if isinstance(v, float))
@@ -301,8 +318,8 @@ def part_check(results, rules=RULES, chunk_size=None):
                     # f32 products (on GPUs the default float32 matmul is TF32, ~1e-3 off)
                     a = tuple(t.astype(jnp.float32) for t in args) if backend == "xla" else args
                     with jax.default_matmul_precision("highest" if backend == "xla" else None):
-                        outs[backend] = jax_fwdbwd(fn)(*a, x["do"].astype(jnp.float32 if backend == "xla" else dtype))
-                out[name] = compare(outs["pallas"], outs["xla"], tol)
+                        outs[backend] = jax_fwdbwd(fn, RULE_ARGS[rule])(*a, x["do"].astype(jnp.float32 if backend == "xla" else dtype))
+                out[name] = compare(outs["pallas"], outs["xla"], tol, RULE_ARGS[rule])
                 log("check", name, out[name])
             except Exception as ex:  # noqa: BLE001
                 traceback.print_exc()
@@ -465,7 +482,7 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                         continue
                     ms_sync = None
                     try:
-                        f, args = rule_call(fn, mode, x)
+                        f, args = rule_call(fn, mode, x, rule)
                         if mode == "fwdbwd":
                             outs[method] = f(*args)
                         ms = time_jax(f, *args, reps=reps)
@@ -478,7 +495,7 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                                      flops=fl_f if mode == "fwd" else fl_fb, bytes=by_f if mode == "fwd" else by_fb))
                     log("bench", B, T, rule, method, mode, ms)
             if "pallas" in outs and "xla" in outs:
-                e = compare(outs["pallas"], outs["xla"], 1e-2)
+                e = compare(outs["pallas"], outs["xla"], 1e-2, RULE_ARGS[rule])
                 results.setdefault("check_at_bench_shape", {})[f"{rule}/({B},{T})/bf16"] = e
                 log("check", rule, (B, T), e)
             outs.clear()
@@ -566,7 +583,7 @@ def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_
         # all of ours first: once torch's profiler has subscribed to CUPTI, jax.profiler's tracer cannot
         for rule, mode, key in keys if "pallas" in methods else ():
             try:
-                f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size), mode, x)
+                f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size), mode, x, rule)
                 jax.block_until_ready(f(*args))
                 s = op_profile.profile(lambda: f(*args), calls=PROFILE_CALLS, top=20)
                 out[key + " pallas"] = {"busy_ms_per_call": s["busy_ms_per_call"], "source": s["source"],
@@ -624,7 +641,7 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
             for mode in modes:
                 fs = []
                 for tun in (tun_a, tun_b):
-                    f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size, tuning=tun), mode, x)
+                    f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size, tuning=tun), mode, x, rule)
                     jax.block_until_ready(f(*args))  # compile
                     fs.append(f)
                 ta, tb = [], []

@@ -38,6 +38,26 @@ def test_check_compares_pallas_with_xla(tiny, monkeypatch):
     assert kb.part_check(res, rules=("gdn",), chunk_size=32)  # (the kernels' own tests cover every rule)
     assert set(res["check"]) == {"gdn/float32", "gdn/bfloat16"}
     assert res["check"]["gdn/float32"]["dv"] < 1e-4
+    # gradients of the inputs GDN reads only, named by input (not the per-channel gate g)
+    assert {"dq", "dk", "dv", "dgs", "dbeta"} <= set(res["check"]["gdn/float32"])
+    assert "dg" not in res["check"]["gdn/float32"]
+
+
+@pytest.mark.parametrize("rule", ["delta", "gdn", "kda"])
+def test_fwdbwd_call_differentiates_the_rules_inputs_only(tiny, rule):
+    """The timed fwd+bwd call returns one gradient per input the rule reads (as fla's call computes),
+    equal to the full vjp's gradients at those positions."""
+    import jax
+    import numpy as np
+    x = kb.make_inputs(1, 32)
+    f, args = kb.rule_call(kb.rule_fn(rule, "xla"), "fwdbwd", x, rule)
+    o, S, grads = f(*args)
+    assert len(grads) == len(kb.RULE_ARGS[rule])
+    _, _, full = kb.jax_fwdbwd(kb.rule_fn(rule, "xla"))(*args)
+    for i, gr in zip(kb.RULE_ARGS[rule], grads):
+        np.testing.assert_allclose(np.asarray(gr, np.float32), np.asarray(full[i], np.float32), rtol=0, atol=0)
+    unread = set(range(6)) - set(kb.RULE_ARGS[rule])
+    assert all(float(np.max(np.abs(np.asarray(full[i], np.float32)))) == 0 for i in unread)
 
 
 @pytest.mark.parametrize("tuning, message", [("anchored_bwd=all", "anchored_bwd must be one of"),
