@@ -216,12 +216,14 @@ def make_inputs(B, T, dtype=jnp.bfloat16, seed=0, gate_scale=1.0):
     return dict(q=c(q), k=c(k), v=c(v), g=g, gs=gs, beta=c(beta), do=c(do))
 
 
-def rule_fn(rule, backend, chunk_size=None, tuning=None, **kw):
-    """``tuning``: the Pallas launch knobs (default ``--pallas_tuning``)."""
+def rule_fn(rule, backend, chunk_size=None, tuning=None, kd=None, **kw):
+    """``tuning``: the Pallas launch knobs (default ``--pallas_tuning``); ``kd``: the kernel package
+    (default this tree's ``kernels.delta``; :func:`load_kernels` loads another checkout's)."""
     from lineage_jax import memory as M
 
     if backend == "pallas":
-        from kernels import delta as kd
+        if kd is None:
+            from kernels import delta as kd
         kw = dict(kw, chunk_size=chunk_size, **(PALLAS_TUNING if tuning is None else tuning))
         if rule == "kda":
             return lambda q, k, v, g, gs, beta: kd.chunk_kda(q, k, v, g, beta, **kw)
@@ -625,10 +627,29 @@ def profile_table(results, key) -> str:
 AB_MODES = ("fwdbwd", "fwd")
 
 
-def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=lambda: False, modes=AB_MODES):
+def load_kernels(path):
+    """The kernel package ``kernels/delta`` of another checkout (``path``: its folder, e.g. from ``git
+    worktree add DIR COMMIT``: ``DIR/kernels/delta``), imported beside this tree's as
+    ``kernels.delta_ref`` (it imports itself relatively)."""
+    import importlib.util
+    import sys
+    init = os.path.join(path, "__init__.py")
+    if not os.path.isfile(init):
+        raise FileNotFoundError(f"--ab_ref: no kernel package at {path!r} (expected {init})")
+    spec = importlib.util.spec_from_file_location("kernels.delta_ref", init, submodule_search_locations=[path])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["kernels.delta_ref"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=lambda: False, modes=AB_MODES,
+            ref=None):
     """Pallas with ``--pallas_tuning`` (A) against the same with ``knobs_b`` changed (B), paired: per
     (shape, rule, mode) both are compiled, then timed in ``AB_ROUNDS`` alternating rounds of ``reps``
-    calls (A B, B A, ...); the row keeps each round's medians and the median of the rounds' B / A."""
+    calls (A B, B A, ...); the row keeps each round's medians and the median of the rounds' B / A.
+    ``ref`` (``--ab_ref``: a kernel package from :func:`load_kernels`): A runs that package's kernels,
+    B this tree's — two versions of the code paired in one process."""
     tun_a = dict(PALLAS_TUNING)
     tun_b = dict(PALLAS_TUNING, **knobs_b)
     rows = results.setdefault("ab", [])
@@ -640,8 +661,9 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
         for rule in rules:
             for mode in modes:
                 fs = []
-                for tun in (tun_a, tun_b):
-                    f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size, tuning=tun), mode, x, rule)
+                for tun, kd in ((tun_a, ref), (tun_b, None)):
+                    f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size, tuning=tun, kd=kd), mode, x,
+                                        rule)
                     jax.block_until_ready(f(*args))  # compile
                     fs.append(f)
                 ta, tb = [], []
@@ -650,7 +672,7 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
                     for j in order:
                         (ta if j == 0 else tb).append(time_jax(fs[j], *args, reps=reps, rounds=1))
                 ratios = [b / a for a, b in zip(ta, tb)]
-                row = dict(B=B, T=T, rule=rule, mode=mode, a=tun_a, b=tun_b, a_ms=ta, b_ms=tb,
+                row = dict(B=B, T=T, rule=rule, mode=mode, a=tun_a, b=tun_b, a_ms=ta, b_ms=tb, a_ref=ref is not None,
                            a_median=statistics.median(ta), b_median=statistics.median(tb),
                            b_over_a=statistics.median(ratios), b_over_a_range=[min(ratios), max(ratios)])
                 rows.append(row)
@@ -779,6 +801,9 @@ def main(argv=None):
     ap.add_argument("--stages_shapes", default="2,8192", help="--parts stages: the (B,T) shapes, ';'-separated")
     ap.add_argument("--ab", default="", metavar="KNOBS",
                     help="--parts ab: the launch knobs B changes against --pallas_tuning (A), e.g. fuse_output=0")
+    ap.add_argument("--ab_ref", default=None, metavar="DIR",
+                    help="--parts ab: A runs the kernel package in DIR (another checkout's kernels/delta, e.g. from "
+                         "`git worktree add`), B this tree's; --ab may then be empty")
     ap.add_argument("--ab_modes", default=",".join(AB_MODES),
                     help="--parts ab: which of " + ",".join(AB_MODES) + " to time (comma-separated)")
     ap.add_argument("--pallas_tuning", default="",
@@ -796,8 +821,10 @@ def main(argv=None):
     for m in ab_modes:
         if m not in AB_MODES:
             ap.error(f"--ab_modes: unknown mode {m!r} (one of {', '.join(AB_MODES)})")
-    if "ab" in args.parts.split(",") and not knobs_b:
-        ap.error("--parts ab needs --ab knob=value[,knob=value]: the B side's changed launch knobs")
+    if "ab" in args.parts.split(",") and not knobs_b and not args.ab_ref:
+        ap.error("--parts ab needs --ab knob=value[,knob=value] (the B side's changed launch knobs) or --ab_ref DIR")
+    if args.ab_ref is not None and not os.path.isfile(os.path.join(args.ab_ref, "__init__.py")):
+        ap.error(f"--ab_ref: no kernel package at {args.ab_ref!r} (expected its __init__.py there)")
     if args.fla_cache:
         use_fla_cache(args.fla_cache)
     t_start = time.time()
@@ -814,7 +841,7 @@ def main(argv=None):
             commit = ""
     results = {"date": datetime.date.today().isoformat(), "commit": commit,
                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "H": H, "D": D,
-               "chunk": CHUNK, "pallas_chunk": pc, "pallas_tuning": dict(PALLAS_TUNING), "ab_knobs": knobs_b, "rules": rules,
+               "chunk": CHUNK, "pallas_chunk": pc, "pallas_tuning": dict(PALLAS_TUNING), "ab_knobs": knobs_b, "ab_ref": args.ab_ref, "rules": rules,
                "reps": args.reps}
     path = os.path.join(args.out, "kernel_bench.json")
 
@@ -854,7 +881,8 @@ def main(argv=None):
         part_profile(results, shapes, rules, methods, pc, over)
         save()
     if "ab" in parts:
-        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes)
+        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes,
+                ref=load_kernels(args.ab_ref) if args.ab_ref else None)
         results["ab_table"] = ab_table(results)
         log(results["ab_table"])
         save()

@@ -4,6 +4,8 @@ The benchmark times GPU kernels; these tests call the same code paths on the CPU
 broken part (a stale call into the kernels' internals, say) fails here, not on the GPU.
 """
 
+import os
+
 import pytest
 
 from experiments import kernel_bench as kb
@@ -97,6 +99,26 @@ def test_ab_times_both_sides_in_alternating_rounds(tiny, monkeypatch):
     res = {}  # --ab_modes: the forward alone (the compiled forwards are cached)
     kb.part_ab(res, [(1, 64)], 1, {"fuse_output": False}, rules=("delta",), chunk_size=32, modes=("fwd",))
     assert [(r["rule"], r["mode"]) for r in res["ab"]] == [("delta", "fwd")]
+
+
+def test_ab_ref_runs_another_checkouts_kernels_as_a(tiny, monkeypatch, tmp_path):
+    """``--ab_ref DIR``: A runs the kernel package copied to DIR (imported beside this tree's), B this
+    tree's; a missing package is an error naming the flag."""
+    import shutil
+    from kernels import delta
+    ref = tmp_path / "delta"
+    shutil.copytree(os.path.dirname(delta.__file__), ref, ignore=shutil.ignore_patterns("__pycache__"))
+    mod = kb.load_kernels(str(ref))
+    assert mod.api is not delta.api and mod.api.__file__.startswith(str(ref))
+    calls = []
+    orig = mod.chunk_delta_rule
+    monkeypatch.setattr(mod, "chunk_delta_rule", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    monkeypatch.setattr(kb, "AB_ROUNDS", 2)
+    res = {}
+    kb.part_ab(res, [(1, 64)], 1, {}, rules=("delta",), chunk_size=32, modes=("fwd",), ref=mod)
+    assert calls and [r["a_ref"] for r in res["ab"]] == [True]
+    with pytest.raises(SystemExit):
+        kb.main(["--parts", "ab", "--ab_ref", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")])
 
 
 @pytest.mark.parametrize("argv, message", [(["--parts", "ab"], "--parts ab needs --ab"),
