@@ -662,8 +662,8 @@ def _gate_grad(s: Spec, parts, g):
 
     shape = dG.shape
     dG, dE = chunked(dG), chunked(dE)
-    rev = jnp.flip(jnp.cumsum(jnp.flip(dG, ax + 1), axis=ax + 1), ax + 1)
-    fwd = jnp.cumsum(dE, axis=ax + 1)
+    rev = lax.cumsum(dG, axis=ax + 1, reverse=True)
+    fwd = lax.cumsum(dE, axis=ax + 1)
     pad = [(0, 0)] * fwd.ndim
     pad[ax + 1] = (1, 0)
     excl = lax.slice_in_dim(jnp.pad(fwd, pad), 0, C, axis=ax + 1)
