@@ -393,10 +393,10 @@ def _bwd_solve(cfg: Cfg, ch: Chunk, r, kk_ref, dut_ref, ut_ref, dv_ref):
 
 def _bwd_scores(cfg: Cfg, ch: Chunk, r, do_ref, ut_ref, h_ref, dh_ref, dKK, get_dru, get_dbeta, dq_ref, dk_ref,
                 dbeta_ref, dg_refs):
-    """Stores ``dq, dk, dβ`` and the gate's gradient (gated: :func:`_store_dg` into ``dg_refs``), from :func:`_bwd_solve`'s ``dKK``, ``dR_u`` and
-    partial ``dβ`` (``get_dru(I)``, ``get_dbeta(I)``: per tile). The decayed scores (and their
-    16-step loops) first, then ``dO Sᵀ`` and ``dR_w = −dR_u Sᵀ``, then ``Ũ dSᵀ``, so that those
-    ``[16, K]`` tiles are not live across the loops."""
+    """Stores ``dq, dk, dβ`` and the gate's gradient (gated: :func:`_store_dg` into ``dg_refs``), from
+    :func:`_bwd_solve`'s ``dKK``, ``dR_u`` and partial ``dβ`` (``get_dru(I)``, ``get_dbeta(I)``: per
+    tile). The decayed scores (and their 16-step loops) first, then ``dO Sᵀ`` and ``dR_w = −dR_u Sᵀ``,
+    then ``Ũ dSᵀ``, so that those ``[16, K]`` tiles are not live across the loops."""
     nb = cfg.nb
     q = _tiles(r["q"], nb, cfg.scale)
     k = _tiles(r["k"], nb)
@@ -503,8 +503,8 @@ def _store_dg(cfg: Cfg, dG, dE, dGC, dg_refs):
     Per-channel gates: the prefix sums run here (``[16, K]``: triangle matmuls) into ``dg``. Scalar
     gates: the kernel stores the two ``[C, 1]`` columns, ``dG`` with ``dG_C`` added to its last row,
     and ``dE``; :func:`kernels.delta.api._gate_grad` takes their prefix sums (in a ``[16, 1]``
-    column each is a chain of shuffles: ~200 of the kernel's ~5000 instructions, and the tails
-    across tiles as many again)."""
+    column each is a chain of shuffles: in-kernel they were ~200 of GDN's ~5000 SASS instructions,
+    ptxas, bf16)."""
     nb = len(dG)
     if not cfg.channel:
         dg_ref, de_ref = dg_refs
