@@ -320,7 +320,8 @@ def part_check(results, rules=RULES, chunk_size=None):
                     # f32 products (on GPUs the default float32 matmul is TF32, ~1e-3 off)
                     a = tuple(t.astype(jnp.float32) for t in args) if backend == "xla" else args
                     with jax.default_matmul_precision("highest" if backend == "xla" else None):
-                        outs[backend] = jax_fwdbwd(fn, RULE_ARGS[rule])(*a, x["do"].astype(jnp.float32 if backend == "xla" else dtype))
+                        do = x["do"].astype(jnp.float32 if backend == "xla" else dtype)
+                        outs[backend] = jax_fwdbwd(fn, RULE_ARGS[rule])(*a, do)
                 out[name] = compare(outs["pallas"], outs["xla"], tol, RULE_ARGS[rule])
                 log("check", name, out[name])
             except Exception as ex:  # noqa: BLE001
@@ -702,7 +703,7 @@ def summarize(results):
             r["pct_roofline"] = 100 * floor / r["ms"]
             r["tflops"] = r["flops"] / (r["ms"] * 1e-3) / 1e12
     lines = ["| (B, T) | rule | mode | pallas ms | xla ms | fla ms | cudnn attn ms | xla/pallas | pallas/fla | "
-             "pallas % roofline | synchronized calls: pallas / fla ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "pallas % roofline | synchronized calls: pallas / fla ms |", "|---" * 11 + "|"]
     for (B, T) in sorted({(r["B"], r["T"]) for r in rows}, key=lambda s: s[1]):
         for rule in RULES:
             for mode in ("fwd", "fwdbwd"):
@@ -823,8 +824,12 @@ def main(argv=None):
             ap.error(f"--ab_modes: unknown mode {m!r} (one of {', '.join(AB_MODES)})")
     if "ab" in args.parts.split(",") and not knobs_b and not args.ab_ref:
         ap.error("--parts ab needs --ab knob=value[,knob=value] (the B side's changed launch knobs) or --ab_ref DIR")
-    if args.ab_ref is not None and not os.path.isfile(os.path.join(args.ab_ref, "__init__.py")):
-        ap.error(f"--ab_ref: no kernel package at {args.ab_ref!r} (expected its __init__.py there)")
+    ref = None
+    if args.ab_ref is not None:
+        try:
+            ref = load_kernels(args.ab_ref)
+        except FileNotFoundError as ex:
+            ap.error(str(ex))
     if args.fla_cache:
         use_fla_cache(args.fla_cache)
     t_start = time.time()
@@ -841,8 +846,8 @@ def main(argv=None):
             commit = ""
     results = {"date": datetime.date.today().isoformat(), "commit": commit,
                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "H": H, "D": D,
-               "chunk": CHUNK, "pallas_chunk": pc, "pallas_tuning": dict(PALLAS_TUNING), "ab_knobs": knobs_b, "ab_ref": args.ab_ref, "rules": rules,
-               "reps": args.reps}
+               "chunk": CHUNK, "pallas_chunk": pc, "pallas_tuning": dict(PALLAS_TUNING), "ab_knobs": knobs_b,
+               "ab_ref": args.ab_ref, "rules": rules, "reps": args.reps}
     path = os.path.join(args.out, "kernel_bench.json")
 
     def save():
@@ -881,8 +886,7 @@ def main(argv=None):
         part_profile(results, shapes, rules, methods, pc, over)
         save()
     if "ab" in parts:
-        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes,
-                ref=load_kernels(args.ab_ref) if args.ab_ref else None)
+        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes, ref=ref)
         results["ab_table"] = ab_table(results)
         log(results["ab_table"])
         save()

@@ -101,7 +101,7 @@ def test_ab_times_both_sides_in_alternating_rounds(tiny, monkeypatch):
     assert [(r["rule"], r["mode"]) for r in res["ab"]] == [("delta", "fwd")]
 
 
-def test_ab_ref_runs_another_checkouts_kernels_as_a(tiny, monkeypatch, tmp_path):
+def test_ab_ref_runs_another_checkouts_kernels_as_a(tiny, monkeypatch, tmp_path, capsys):
     """``--ab_ref DIR``: A runs the kernel package copied to DIR (imported beside this tree's), B this
     tree's; a missing package is an error naming the flag."""
     import shutil
@@ -119,6 +119,7 @@ def test_ab_ref_runs_another_checkouts_kernels_as_a(tiny, monkeypatch, tmp_path)
     assert calls and [r["a_ref"] for r in res["ab"]] == [True]
     with pytest.raises(SystemExit):
         kb.main(["--parts", "ab", "--ab_ref", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")])
+    assert "--ab_ref: no kernel package" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [(["--parts", "ab"], "--parts ab needs --ab"),
