@@ -243,9 +243,10 @@ def jax_fwd(fn):
     return jax.jit(lambda q, k, v, g, gs, beta: fn(q, k, v, g, gs, beta)[0])
 
 
-# The inputs each rule reads, by position in ``(q, k, v, g, gs, beta)``: the fwd+bwd call takes
-# gradients of these only, as fla's does (a zero gradient of an unread [B, T, H, K] gate would be
-# written to memory on every call).
+# The inputs each rule reads, by position in ``INPUT_NAMES``: fla's call takes these (in this order),
+# and our fwd+bwd call takes gradients of these only, as fla's does (a zero gradient of an unread
+# [B, T, H, K] gate would be written to memory on every call).
+INPUT_NAMES = ("q", "k", "v", "g", "gs", "beta")
 RULE_ARGS = {"kda": (0, 1, 2, 3, 5), "kdab": (0, 1, 2, 3, 5), "gdn": (0, 1, 2, 4, 5), "delta": (0, 1, 2, 5)}
 
 
@@ -445,8 +446,7 @@ def torch_inputs(x):
 def fla_call(fla, rule, mode, tx):
     """One fla call of ``rule`` as a closure: the forward under ``no_grad``, or forward and backward."""
     import torch
-    gate = [tx["g"]] if rule in ("kda", "kdab") else [tx["gs"]] if rule == "gdn" else []
-    ins = [tx["q"], tx["k"], tx["v"], *gate, tx["beta"]]
+    ins = [tx[INPUT_NAMES[i]] for i in RULE_ARGS[rule]]  # fla's argument order: q, k, v[, gate], beta
     if mode == "fwd":
         def run():
             with torch.no_grad():
