@@ -382,7 +382,7 @@ def _bwd_solve(cfg: Cfg, ch: Chunk, r, kk_ref, dut_ref, ut_ref, dv_ref):
         store_rows(dv_ref, I * SUB, beta[I] * dRu[I])
         db = jnp.sum(load_rows(r["v"], I * SUB, SUB) * dRu[I], axis=1, keepdims=True)
         for J in range(I + 1):
-            dA = -sm(cfg, dRu[I], ut[J], tb=True)
+            dA = -mm(cfg, dRu[I], ut[J], tb=True)
             if J == I:
                 dA = jnp.where(ch.diag_mask(I, True), dA, 0.0)
             db = db + jnp.sum(dA * KK[I][J], axis=1, keepdims=True)
@@ -426,8 +426,8 @@ def _bwd_scores(cfg: Cfg, ch: Chunk, r, do_ref, ut_ref, h_ref, dh_ref, dKK, get_
                 dMg = apply_decay(dM[I][J], ch.decay(I, J))
                 dKg = apply_decay(dKK[I][J], ch.decay(I, J, strict=True))
                 dqS[I] = dqS[I] + mm(cfg, dMg, k[J])
-                dkL[I] = dkL[I] + sm(cfg, dKg, k[J])
-                dkR[J] = dkR[J] + mm(cfg, dMg, q[I], ta=True) + sm(cfg, dKg, k[I], ta=True)
+                dkL[I] = dkL[I] + mm(cfg, dKg, k[J])
+                dkR[J] = dkR[J] + mm(cfg, dMg, q[I], ta=True) + mm(cfg, dKg, k[I], ta=True)
     else:
         Lq, Lk, Rk = anchored(cfg, ch, q, k)
     for I in range(nb if cfg.channel else 0):
