@@ -37,8 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .tiles import (
-    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, get_col, get_diag, iota, load_rows, mm, prefix_sum, row_to_col,
-    scores, sm, solve_backward, solve_forward, store_rows, ut_matrix, ut_system,
+    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, dot, get_col, get_diag, iota, load_rows, mm, prefix_sum,
+    row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows, ut_matrix, ut_system,
 )
 
 
@@ -537,15 +537,27 @@ def _gate_sum(cfg: Cfg, x, f=None):
 def _state_dot(cfg: Cfg, h_ref, dh_ref):
     """``Σ_v S ⊙ dS``: ``[1, K]`` (per-channel gate) or ``[1, 1]``, over 16-row blocks of the states
     (scalar gates: the blocks' products summed elementwise, then one reduction)."""
-    K = h_ref.shape[0]
+    K, V = h_ref.shape
     acc = None
+    if cfg.channel:
+        # the row sums as a [1, K] row straight from the tensor cores: ones [16, w] times the products'
+        # transpose, value block by value block, every row of the [16, K] result the same — no [K, 1] ->
+        # [1, K] transposition. Each product is split into bf16 parts that hold it exactly: two for
+        # 16-bit states (8 + 8 mantissa bits), three for f32 ones; the sum is f32-accurate.
+        w = min(V, 32)
+        ones = jnp.ones((SUB, w), jnp.bfloat16)
+        n_parts = 2 if jnp.dtype(h_ref.dtype).itemsize == 2 and jnp.dtype(dh_ref.dtype).itemsize == 2 else 3
+        for c in range(V // w):
+            cols = pl.ds(c * w, w)
+            p = h_ref[:, cols].astype(F32) * dh_ref[:, cols].astype(F32)
+            for part in split_bf16(p)[:n_parts]:
+                t = dot(ones, part, tb=True)
+                acc = t if acc is None else acc + t
+        return jnp.sum(jnp.where(iota((SUB, 1), 0) == 0, acc, 0.0), axis=0, keepdims=True)
     for b in range(K // SUB):
         p = load_rows(h_ref, b * SUB, SUB) * load_rows(dh_ref, b * SUB, SUB)
-        if cfg.channel:  # [16, 1] -> its 16 places of a [1, K] row
-            c = jnp.sum(p, axis=1, keepdims=True)
-            p = jnp.sum(jnp.where(iota((SUB, K), 1) == iota((SUB, K), 0) + b * SUB, c, 0.0), axis=0, keepdims=True)
         acc = p if acc is None else acc + p
-    return acc if cfg.channel else jnp.sum(jnp.sum(acc, axis=1, keepdims=True), axis=0, keepdims=True)
+    return jnp.sum(jnp.sum(acc, axis=1, keepdims=True), axis=0, keepdims=True)
 
 
 def _store_tiles(ref, tiles, scale=None):
