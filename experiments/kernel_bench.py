@@ -774,8 +774,8 @@ def parse_tuning(ap, flag, text) -> dict:
             out[key] = val == "1"
         elif key in ("state_split", "chunks_per_program") and val == "auto":
             out[key] = val
-        elif key in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "state_split",
-                     "chunks_per_program"):
+        elif key in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "num_warps_fwd",
+                     "state_split", "chunks_per_program"):
             try:
                 out[key] = int(val)
             except ValueError:

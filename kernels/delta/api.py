@@ -135,6 +135,7 @@ class Spec:
     num_warps_state: int
     num_stages_state: int = STATE_STAGES  # GPU: Triton software-pipelining stages of the state passes' loop
     num_warps_scores: int = 4  # GPU: warps of the backward's scores kernel (``default_warps_scores``)
+    num_warps_fwd: int = 4  # GPU: warps of the forward's intra-chunk kernel (``default_warps_fwd``)
     anchored_bwd: str = "scores"  # per-channel gates: whether the backward's scores kernel anchors (ANCHORED_BWD)
     fuse_output: bool = True  # the forward state pass takes the output (no output kernel; see _state_fwd)
     state_bwd: str = "triton"  # GPU: lowering of the backward state pass, "triton" or "mosaic" (STATE_BWD)
@@ -354,7 +355,7 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
     res = iter(_call(s, functools.partial(kn.intra_fwd, s.cfg, residuals=residuals), grid=(s.B, s.H, s.N),
                      in_specs=specs, out_specs=[x for x, k_ in zip(out_specs, keep) if k_],
                      out_shape=[x for x, k_ in zip(out_shape, keep) if k_],
-                     semantics=("parallel", "parallel", "parallel"))(*args))
+                     semantics=("parallel", "parallel", "parallel"), warps=s.num_warps_fwd)(*args))
     return tuple(next(res) if k_ else None for k_ in keep)
 
 
@@ -848,6 +849,17 @@ def default_inverse(target: str, gate: str, low: bool) -> str:
     return "blocks" if (target == "gpu" and low and gate in ("none", "scalar")) else "loop"
 
 
+def default_warps_fwd(gate: str, num_warps: int) -> int:
+    """GPU: warps of the forward's intra-chunk kernel (scores, the UT solve, ``W``, ``U``). Without
+    per-channel gates it runs with 2. Paired on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab
+    --ab num_warps=2``: every intra-chunk kernel at 2 warps), the forward — whose only other kernel,
+    the state pass, has warps of its own — took 0.81× (DeltaNet) and 0.81–0.84× (GDN) at (2, 8192)
+    and (8, 2048), KDA's 1.71–2.06× (its per-channel decay tiles do not fit 2 warps' registers);
+    fwd+bwd took 1.02× (DeltaNet) and 1.17× (GDN), the backward's kernels being slower at 2 warps,
+    so they keep ``num_warps``. KDA's forward runs with ``num_warps``."""
+    return num_warps if gate == "channel" else 2
+
+
 def default_warps_scores(gate: str, num_warps: int) -> int:
     """GPU: warps of the backward's scores kernel (dq, dk, dβ, dg). With per-channel gates its tiles
     (decayed q, k and their gradients, K wide) overflow 4 warps' registers — ptxas spilled 1744 B
@@ -890,8 +902,8 @@ def _check_gate_bound(g, gate, bound):
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
-             anchored_bwd=None, num_warps_scores=None, fuse_output=True, state_bwd="auto", inverse="auto",
-             state_split="auto", grid_order="bhn", chunks_per_program="auto"):
+             anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, fuse_output=True, state_bwd="auto",
+             inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -968,7 +980,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
                              f"dim V (a multiple of 64) and `chunk_size` (16, 32 or a multiple of 64 up to 256) "
                              f"its tiles take; got K={K}, V={V}, chunk_size={C}")
     for name, w in (("num_warps", num_warps), ("num_warps_state", num_warps_state),
-                    ("num_warps_scores", num_warps_scores)):
+                    ("num_warps_scores", num_warps_scores), ("num_warps_fwd", num_warps_fwd)):
         if w is not None and w not in (1, 2, 4, 8, 16):
             raise ValueError(f"`{name}` must be 1, 2, 4, 8 or 16 (warps per program), got {w!r}")
     if bv is None:
@@ -981,6 +993,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              num_stages_state=STATE_STAGES if num_stages_state is None else int(num_stages_state),
              num_warps_scores=(default_warps_scores(cfg.gate, num_warps) if num_warps_scores is None
                                else int(num_warps_scores)),
+             num_warps_fwd=(default_warps_fwd(cfg.gate, num_warps) if num_warps_fwd is None else int(num_warps_fwd)),
              anchored_bwd=anchored_bwd, fuse_output=fuse_output, state_bwd=state_bwd, state_split=state_split,
              grid_order=grid_order, chunks_per_program=chunks_per_program)
 
@@ -1028,7 +1041,7 @@ def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
     """``(spec, laid-out args)`` for timing the five kernels one by one (benchmarks). ``gate``:
     None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
     ``gate_lower_bound``, ``chunk_size`` and the launch knobs (``bv``, ``num_warps``,
-    ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``anchored_bwd``)."""
+    ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``, ``anchored_bwd``)."""
     if gate is None and g is not None:
         gate = "channel" if g.ndim == 4 else "scalar"
     tuning.setdefault("chunk_size", None)
@@ -1048,7 +1061,7 @@ _DOC = """
       kernels); default from ``jax.default_backend()``. interpret: run the kernels
       in the Pallas interpreter (default: on the CPU).
       **tuning: launch knobs, each with a measured default — ``bv``, ``num_warps``,
-      ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``state_dtype``,
+      ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``, ``state_dtype``,
       ``fuse_output``, ``state_bwd``, ``inverse``, ``state_split`` (``"auto"`` or P: the
       state passes run P segments of every sequence at once; P divides the chunk count),
       ``grid_order`` (launch order of the parallel kernels' grid: ``GRID_ORDERS``) and

@@ -486,11 +486,12 @@ def test_default_value_blocks_fill_the_gpu():
     assert (s.bv, s.num_stages_state) == (16, api.STATE_STAGES)
 
 
-@pytest.mark.parametrize("rule,warps", [("kda", 8), ("kda_bounded", 8), ("delta", 4), ("gdn", 4)])
-def test_scores_kernel_warps_follow_the_gate(rule, warps):
+@pytest.mark.parametrize("rule,warps,fwd", [("kda", 8, 4), ("kda_bounded", 8, 4), ("delta", 4, 2), ("gdn", 4, 2)])
+def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     """GPU launches: the backward's scores kernel runs ``default_warps_scores`` warps (8 for
-    per-channel gates, whose tiles spill at 4), every other parallel kernel ``num_warps``; an
-    explicit ``num_warps_scores`` overrides the default. Traced only (no compile)."""
+    per-channel gates, whose tiles spill at 4), the forward's intra-chunk kernel
+    ``default_warps_fwd`` (2 without per-channel gates), every other kernel ``num_warps``; explicit
+    ``num_warps_scores`` / ``num_warps_fwd`` override the defaults. Traced only (no compile)."""
     x = make_inputs(2)
     q, k, v, g, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta"))
 
@@ -510,11 +511,16 @@ def test_scores_kernel_warps_follow_the_gate(rule, warps):
 
     got = launches()
     scores = [n for n in got if "intra_bwd_scores" in n]
+    intra = [n for n in got if "intra_fwd" in n]
     assert len(scores) == 1 and got[scores[0]] == warps
-    assert all(w == 4 for n, w in got.items() if n not in scores)
+    assert len(intra) == 1 and got[intra[0]] == fwd
+    assert all(w == 4 for n, w in got.items() if n not in scores + intra)
     assert launches(num_warps_scores=2)[scores[0]] == 2
+    assert launches(num_warps_fwd=8)[intra[0]] == 8
     with pytest.raises(ValueError, match="num_warps_scores"):
         launches(num_warps_scores=3)
+    with pytest.raises(ValueError, match="num_warps_fwd"):
+        launches(num_warps_fwd=0)
 
 
 @pytest.mark.parametrize("fuse,split", [(True, 1), (False, 1), (True, 3)])
