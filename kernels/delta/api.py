@@ -849,15 +849,17 @@ def default_inverse(target: str, gate: str, low: bool) -> str:
     return "blocks" if (target == "gpu" and low and gate in ("none", "scalar")) else "loop"
 
 
-def default_warps_fwd(gate: str, num_warps: int) -> int:
-    """GPU: warps of the forward's intra-chunk kernel (scores, the UT solve, ``W``, ``U``). Without
-    per-channel gates it runs with 2. Paired on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab
+def default_warps_fwd(gate: str, num_warps: int, low: bool = True) -> int:
+    """GPU: warps of the forward's intra-chunk kernel (scores, the UT solve, ``W``, ``U``). With 16-bit
+    inputs (``low``) and without per-channel gates it runs with 2. Paired on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab
     --ab num_warps=2``: every intra-chunk kernel at 2 warps), the forward — whose only other kernel,
     the state pass, has warps of its own — took 0.81× (DeltaNet) and 0.81–0.84× (GDN) at (2, 8192)
     and (8, 2048), KDA's 1.71–2.06× (its per-channel decay tiles do not fit 2 warps' registers);
     fwd+bwd took 1.02× (DeltaNet) and 1.17× (GDN), the backward's kernels being slower at 2 warps,
-    so they keep ``num_warps``. KDA's forward runs with ``num_warps``."""
-    return num_warps if gate == "channel" else 2
+    so they keep ``num_warps``. KDA's forward runs with ``num_warps``, and so do f32 inputs, whose
+    f32 tiles already spill at 4 warps (ptxas, sm_90a: DeltaNet 924 B per thread at 4 warps, 1868 B
+    at 2; GDN 1416 and 2076 B)."""
+    return 2 if (low and gate != "channel") else num_warps
 
 
 def default_warps_scores(gate: str, num_warps: int) -> int:
@@ -993,7 +995,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              num_stages_state=STATE_STAGES if num_stages_state is None else int(num_stages_state),
              num_warps_scores=(default_warps_scores(cfg.gate, num_warps) if num_warps_scores is None
                                else int(num_warps_scores)),
-             num_warps_fwd=(default_warps_fwd(cfg.gate, num_warps) if num_warps_fwd is None else int(num_warps_fwd)),
+             num_warps_fwd=(default_warps_fwd(cfg.gate, num_warps, low) if num_warps_fwd is None
+                            else int(num_warps_fwd)),
              anchored_bwd=anchored_bwd, fuse_output=fuse_output, state_bwd=state_bwd, state_split=state_split,
              grid_order=grid_order, chunks_per_program=chunks_per_program)
 

@@ -169,7 +169,7 @@ def main(argv=None):
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,
                                               api.default_warps_scores(kind, args.num_warps), args.num_warps_state,
-                                              api.default_warps_fwd(kind, args.num_warps))
+                                              api.default_warps_fwd(kind, args.num_warps, dtype != "f32"))
                     ok = ok and good
                     summary.append((label, times))
     print("\ncompile seconds per kernel:")

@@ -490,12 +490,15 @@ def test_default_value_blocks_fill_the_gpu():
 def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     """GPU launches: the backward's scores kernel runs ``default_warps_scores`` warps (8 for
     per-channel gates, whose tiles spill at 4), the forward's intra-chunk kernel
-    ``default_warps_fwd`` (2 without per-channel gates), every other kernel ``num_warps``; explicit
-    ``num_warps_scores`` / ``num_warps_fwd`` override the defaults. Traced only (no compile)."""
+    ``default_warps_fwd`` (2 for 16-bit inputs without per-channel gates), every other kernel
+    ``num_warps``; explicit ``num_warps_scores`` / ``num_warps_fwd`` override the defaults. Traced
+    only (no compile)."""
     x = make_inputs(2)
-    q, k, v, g, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta"))
+    q32, k32, v32, g, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta"))
 
-    def launches(**tuning):
+    def launches(dtype=jnp.bfloat16, **tuning):
+        q, k, v = (a.astype(dtype) for a in (q32, k32, v32))
+
         def f(q, k, v, g, beta):
             if rule.startswith("kda"):
                 bound = {"gate_lower_bound": -5.0} if rule == "kda_bounded" else {}
@@ -517,6 +520,7 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     assert all(w == 4 for n, w in got.items() if n not in scores + intra)
     assert launches(num_warps_scores=2)[scores[0]] == 2
     assert launches(num_warps_fwd=8)[intra[0]] == 8
+    assert launches(jnp.float32)[intra[0]] == 4  # f32 tiles spill at 4 warps already
     with pytest.raises(ValueError, match="num_warps_scores"):
         launches(num_warps_scores=3)
     with pytest.raises(ValueError, match="num_warps_fwd"):
