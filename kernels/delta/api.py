@@ -136,6 +136,7 @@ class Spec:
     num_stages_state: int = STATE_STAGES  # GPU: Triton software-pipelining stages of the state passes' loop
     num_warps_scores: int = 4  # GPU: warps of the backward's scores kernel (``default_warps_scores``)
     num_warps_fwd: int = 4  # GPU: warps of the forward's intra-chunk kernel (``default_warps_fwd``)
+    num_warps_solve: int = 4  # GPU: warps of the backward's solve kernel (``default_warps_solve``)
     anchored_bwd: str = "scores"  # per-channel gates: whether the backward's scores kernel anchors (ANCHORED_BWD)
     fuse_output: bool = True  # the forward state pass takes the output (no output kernel; see _state_fwd)
     state_bwd: str = "triton"  # GPU: lowering of the backward state pass, "triton" or "mosaic" (STATE_BWD)
@@ -638,7 +639,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
     dv, dbp, dkk, dru = _call(
         s, functools.partial(kn.intra_bwd_solve, s.cfg), grid=grid, in_specs=sspecs + [tc, tv, tv],
         out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, s.cfg.mm_dtype)],
-        semantics=par, group=True)(*sargs, KK, ut, dut)
+        semantics=par, group=True, warps=s.num_warps_solve)(*sargs, KK, ut, dut)
     dq, dk, dbeta, *dg = _call(
         s, functools.partial(kn.intra_bwd_scores, cfg), grid=grid,
         in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par, group=True,
@@ -862,6 +863,15 @@ def default_warps_fwd(gate: str, num_warps: int, low: bool = True) -> int:
     return 2 if (low and gate != "channel") else num_warps
 
 
+def default_warps_solve(num_warps: int, low: bool = True) -> int:
+    """GPU: warps of the backward's solve kernel (``dv``, ``dβ``, the back-solve; one gate-free kernel
+    for every rule): 2 with 16-bit inputs. Paired on one H200 (bf16, H 16, D 128, ``kernel_bench
+    --parts ab --ab num_warps=2,num_warps_scores=4``, which changes only this kernel's warps), fwd+bwd
+    took 0.941× for DeltaNet and GDN at (2, 8192) and 0.935× at (8, 2048). f32 inputs keep
+    ``num_warps``, as the forward's kernel does (:func:`default_warps_fwd`)."""
+    return 2 if low else num_warps
+
+
 def default_warps_scores(gate: str, num_warps: int) -> int:
     """GPU: warps of the backward's scores kernel (dq, dk, dβ, dg). With per-channel gates its tiles
     (decayed q, k and their gradients, K wide) overflow 4 warps' registers — ptxas spilled 1744 B
@@ -904,7 +914,7 @@ def _check_gate_bound(g, gate, bound):
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
-             anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, fuse_output=True, state_bwd="auto",
+             anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True, state_bwd="auto",
              inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
@@ -982,7 +992,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
                              f"dim V (a multiple of 64) and `chunk_size` (16, 32 or a multiple of 64 up to 256) "
                              f"its tiles take; got K={K}, V={V}, chunk_size={C}")
     for name, w in (("num_warps", num_warps), ("num_warps_state", num_warps_state),
-                    ("num_warps_scores", num_warps_scores), ("num_warps_fwd", num_warps_fwd)):
+                    ("num_warps_scores", num_warps_scores), ("num_warps_fwd", num_warps_fwd),
+                    ("num_warps_solve", num_warps_solve)):
         if w is not None and w not in (1, 2, 4, 8, 16):
             raise ValueError(f"`{name}` must be 1, 2, 4, 8 or 16 (warps per program), got {w!r}")
     if bv is None:
@@ -997,6 +1008,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
                                else int(num_warps_scores)),
              num_warps_fwd=(default_warps_fwd(cfg.gate, num_warps, low) if num_warps_fwd is None
                             else int(num_warps_fwd)),
+             num_warps_solve=(default_warps_solve(num_warps, low) if num_warps_solve is None
+                              else int(num_warps_solve)),
              anchored_bwd=anchored_bwd, fuse_output=fuse_output, state_bwd=state_bwd, state_split=state_split,
              grid_order=grid_order, chunks_per_program=chunks_per_program)
 
@@ -1044,7 +1057,8 @@ def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
     """``(spec, laid-out args)`` for timing the five kernels one by one (benchmarks). ``gate``:
     None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
     ``gate_lower_bound``, ``chunk_size`` and the launch knobs (``bv``, ``num_warps``,
-    ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``, ``anchored_bwd``)."""
+    ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``, ``num_warps_solve``,
+    ``anchored_bwd``)."""
     if gate is None and g is not None:
         gate = "channel" if g.ndim == 4 else "scalar"
     tuning.setdefault("chunk_size", None)
@@ -1064,7 +1078,8 @@ _DOC = """
       kernels); default from ``jax.default_backend()``. interpret: run the kernels
       in the Pallas interpreter (default: on the CPU).
       **tuning: launch knobs, each with a measured default — ``bv``, ``num_warps``,
-      ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``, ``state_dtype``,
+      ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``,
+      ``num_warps_solve``, ``state_dtype``,
       ``fuse_output``, ``state_bwd``, ``inverse``, ``state_split`` (``"auto"`` or P: the
       state passes run P segments of every sequence at once; P divides the chunk count),
       ``grid_order`` (launch order of the parallel kernels' grid: ``GRID_ORDERS``) and

@@ -98,7 +98,8 @@ def ptxas_usage(kernel) -> str:
             f"spill_st={spill.group(1) if spill else '?'}B spill_ld={spill.group(2) if spill else '?'}B")
 
 
-def compile_all(outdir, num_warps=4, label="", num_warps_scores=None, num_warps_state=None, num_warps_fwd=None):
+def compile_all(outdir, num_warps=4, label="", num_warps_scores=None, num_warps_state=None, num_warps_fwd=None,
+                num_warps_solve=None):
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -114,10 +115,13 @@ def compile_all(outdir, num_warps=4, label="", num_warps_scores=None, num_warps_
             # the launch's own pipelining: the state passes' chunk loops run STATE_STAGES stages
             stages = api.STATE_STAGES if "_state_" in name else 1
             # ... and its warps: the backward's scores kernel may run wider (api.default_warps_scores), the
-            # forward's intra-chunk kernel narrower (api.default_warps_fwd)
+            # forward's intra-chunk kernel and the backward's solve kernel narrower (api.default_warps_fwd,
+            # api.default_warps_solve)
             warps = num_warps_scores if num_warps_scores and "intra_bwd_scores" in name else num_warps
             if num_warps_fwd and "intra_fwd" in name:
                 warps = num_warps_fwd
+            if num_warps_solve and "intra_bwd_solve" in name:
+                warps = num_warps_solve
             if num_warps_state and "_state_" in name:
                 warps = num_warps_state
             k = triton.compile(os.path.join(outdir, name), target=GPUTarget("cuda", 90, 32),
@@ -169,7 +173,8 @@ def main(argv=None):
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,
                                               api.default_warps_scores(kind, args.num_warps), args.num_warps_state,
-                                              api.default_warps_fwd(kind, args.num_warps, dtype != "f32"))
+                                              api.default_warps_fwd(kind, args.num_warps, dtype != "f32"),
+                                              api.default_warps_solve(args.num_warps, dtype != "f32"))
                     ok = ok and good
                     summary.append((label, times))
     print("\ncompile seconds per kernel:")

@@ -515,16 +515,21 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     got = launches()
     scores = [n for n in got if "intra_bwd_scores" in n]
     intra = [n for n in got if "intra_fwd" in n]
+    solve = [n for n in got if "intra_bwd_solve" in n]
     assert len(scores) == 1 and got[scores[0]] == warps
     assert len(intra) == 1 and got[intra[0]] == fwd
-    assert all(w == 4 for n, w in got.items() if n not in scores + intra)
+    assert len(solve) == 1 and got[solve[0]] == 2
+    assert all(w == 4 for n, w in got.items() if n not in scores + intra + solve)
     assert launches(num_warps_scores=2)[scores[0]] == 2
     assert launches(num_warps_fwd=8)[intra[0]] == 8
-    assert launches(jnp.float32)[intra[0]] == 4  # f32 tiles spill at 4 warps already
+    assert launches(num_warps_solve=4)[solve[0]] == 4
+    assert launches(jnp.float32)[intra[0]] == launches(jnp.float32)[solve[0]] == 4  # f32 tiles spill at 4 already
     with pytest.raises(ValueError, match="num_warps_scores"):
         launches(num_warps_scores=3)
     with pytest.raises(ValueError, match="num_warps_fwd"):
         launches(num_warps_fwd=0)
+    with pytest.raises(ValueError, match="num_warps_solve"):
+        launches(num_warps_solve=5)
 
 
 @pytest.mark.parametrize("fuse,split", [(True, 1), (False, 1), (True, 3)])
