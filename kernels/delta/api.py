@@ -38,8 +38,8 @@ Gate kinds (:class:`~kernels.delta.tiles.Cfg` ``gate``): "none" (DeltaNet), "sca
 DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is one ``[16, 16]``
 ``exp`` of in-tile differences; the gate's gradient — row sums and ``Σ S ⊙ dS`` in the scores
 kernel, the in-chunk prefix sums after it in XLA (:func:`_gate_grad`) — makes the backward's scores
-kernel 1.9× DeltaNet's on one H200, about half the difference between their fwd+bwd times:
-docs/benchmarks.md) and "channel" (KDA: a 16×16 diagonal
+kernel 1.9× DeltaNet's on one H200, about two thirds of the difference between their fwd+bwd
+times: docs/benchmarks.md) and "channel" (KDA: a 16×16 diagonal
 tile is one matmul anchored at its middle row when its gates keep ``|G_i − G_mid| <= 64`` — always
 with ``gate_lower_bound``; on GPUs the exact kernels decide it per tile at run time
 (``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an exact 16-step loop on the tiles whose
@@ -1112,8 +1112,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=N
 chunk_delta_rule.__doc__ = "DeltaNet, ``S_t = (I − β_t k_tᵀk_t) S_{t−1} + β_t k_tᵀv_t``, by Pallas kernels." + _DOC
 chunk_gated_delta_rule.__doc__ = ("Gated DeltaNet (``g [B, T, H]`` log-decay, one scalar per head), by Pallas "
                                   "kernels (scalar-gate variants: each score tile's decay is one ``[16, 16]`` "
-                                  "``exp`` of differences; fwd+bwd takes 1.3–1.4× DeltaNet's on one H200, about half "
-                                  "the difference the gate's gradient in the backward's scores kernel)." + _DOC)
+                                  "``exp`` of differences; fwd+bwd takes 1.3–1.4× DeltaNet's on one H200, about two "
+                                  "thirds of the difference the gate's gradient in the backward's scores kernel)." + _DOC)
 _BOUND_DOC = """      gate_lower_bound: opt-in bounded-gate mode (e.g. ``-5.0`` for K3's ``g = −5·σ(·)``), in
         ``[-8, 0)``: the caller promises ``g >= gate_lower_bound`` everywhere. Each 16-token
         diagonal tile is then anchored at its middle row (``|G_i − G_mid| <= 8·|bound|``, so
