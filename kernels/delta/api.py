@@ -852,14 +852,14 @@ def default_inverse(target: str, gate: str, low: bool) -> str:
 
 def default_warps_fwd(gate: str, num_warps: int, low: bool = True) -> int:
     """GPU: warps of the forward's intra-chunk kernel (scores, the UT solve, ``W``, ``U``). With 16-bit
-    inputs (``low``) and without per-channel gates it runs with 2. Paired on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab
-    --ab num_warps=2``: every intra-chunk kernel at 2 warps), the forward — whose only other kernel,
-    the state pass, has warps of its own — took 0.81× (DeltaNet) and 0.81–0.84× (GDN) at (2, 8192)
-    and (8, 2048), KDA's 1.71–2.06× (its per-channel decay tiles do not fit 2 warps' registers);
-    fwd+bwd took 1.02× (DeltaNet) and 1.17× (GDN), the backward's kernels being slower at 2 warps,
-    so they keep ``num_warps``. KDA's forward runs with ``num_warps``, and so do f32 inputs, whose
-    f32 tiles already spill at 4 warps (ptxas, sm_90a: DeltaNet 924 B per thread at 4 warps, 1868 B
-    at 2; GDN 1416 and 2076 B)."""
+    inputs (``low``) and without per-channel gates it runs with 2. Paired on one H200 (bf16, H 16,
+    D 128, ``kernel_bench --parts ab --ab num_warps=2``: every intra-chunk kernel at 2 warps), the
+    forward — whose only other kernel, the state pass, has warps of its own — took 0.81× (DeltaNet)
+    and 0.81–0.84× (GDN) at (2, 8192) and (8, 2048), KDA's 1.71–2.06× (its per-channel decay tiles
+    do not fit 2 warps' registers). fwd+bwd took 1.02× (DeltaNet) and 1.17× (GDN) there: the
+    backward's scores kernel is slower at 2 warps (its solve kernel faster: :func:`default_warps_solve`).
+    KDA's forward runs with ``num_warps``, and so do f32 inputs, whose tiles already spill at 4 warps
+    (ptxas, sm_90a: DeltaNet 924 B per thread at 4 warps, 1868 B at 2; GDN 1416 and 2076 B)."""
     return 2 if (low and gate != "channel") else num_warps
 
 
@@ -868,7 +868,7 @@ def default_warps_solve(num_warps: int, low: bool = True) -> int:
     for every rule): 2 with 16-bit inputs. Paired on one H200 (bf16, H 16, D 128, ``kernel_bench
     --parts ab --ab num_warps=2,num_warps_scores=4``, which changes only this kernel's warps), fwd+bwd
     took 0.941× for DeltaNet and GDN at (2, 8192) and 0.935× at (8, 2048). f32 inputs keep
-    ``num_warps``, as the forward's kernel does (:func:`default_warps_fwd`)."""
+    ``num_warps`` (not timed: as for :func:`default_warps_fwd`, their f32 tiles would spill more)."""
     return 2 if low else num_warps
 
 
@@ -914,8 +914,8 @@ def _check_gate_bound(g, gate, bound):
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
-             anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True, state_bwd="auto",
-             inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto"):
+             anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
+             state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
