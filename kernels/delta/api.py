@@ -277,6 +277,8 @@ def _grouped(s: Spec, body, grid, in_specs, out_specs):
             return carry
         lax.fori_loop(0, G, one, 0)
 
+    # the kernel's name (profiles, triton_compile_check): the body's, marked as looped
+    grouped.__name__ = f"{getattr(body, 'func', body).__name__}_grouped"
     return grouped, (grid[0], grid[1], grid[2] // G), specs_in, specs_out
 
 

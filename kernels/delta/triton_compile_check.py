@@ -112,8 +112,9 @@ def compile_all(outdir, num_warps=4, label="", num_warps_scores=None, num_warps_
             continue
         t = time.time()
         try:
-            # the launch's own pipelining: the state passes' chunk loops run STATE_STAGES stages
-            stages = api.STATE_STAGES if "_state_" in name else 1
+            # the launch's own pipelining: the state passes' chunk loops run STATE_STAGES stages, the
+            # intra-chunk kernels looping over chunks (api._grouped) PROGRAM_STAGES
+            stages = api.STATE_STAGES if "_state_" in name else api.PROGRAM_STAGES if "_grouped" in name else 1
             # ... and its warps: the backward's scores kernel may run wider (api.default_warps_scores), the
             # forward's intra-chunk kernel and the backward's solve kernel narrower (api.default_warps_fwd,
             # api.default_warps_solve)
