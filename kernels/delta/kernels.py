@@ -117,9 +117,10 @@ def row_factors(cfg: Cfg) -> str:
     gates: ``[T, K]`` arrays written by :func:`intra_fwd`), ``"columns"`` (scalar gates or documents:
     ``q`` and ``k`` with the ``[T, 1]`` f32 row factors ``ein`` — ``scale`` folded in — and ``eout``
     written in their place), ``"scale"`` (DeltaNet without documents: ``E_in = scale``, ``E_out = 1``).
-    Row factors are applied to the state passes' ``[C, bv]`` operands and results, never to ``[C, K]``
-    tiles: ``k_outᵀ Ũ = kᵀ (eout ⊙ Ũ)``, ``q_in S = ein ⊙ (q S)``, ``k_out dS = eout ⊙ (k dS)``,
-    ``q_inᵀ dO = qᵀ (ein ⊙ dO)``."""
+    Row factors are applied to the state passes' ``[C, bv]`` operands and results where they feed a
+    matmul: ``k_outᵀ Ũ = kᵀ (eout ⊙ Ũ)``, ``k_out dS = eout ⊙ (k dS)``, ``q_inᵀ dO = qᵀ (ein ⊙ dO)``;
+    the fused output scales ``q``'s ``[C, K]`` tile (``q_in S = (ein ⊙ q) S``), so that ``ein``'s
+    load, too, feeds a matmul and is pipelined (:func:`_lagged_decay`)."""
     if cfg.channel:
         return "arrays"
     return "columns" if (cfg.gated or cfg.docs) else "scale"
@@ -132,9 +133,14 @@ def _rows(ref, rows):
 
 def state_fwd_step(cfg: Cfg, S, w, u, ko, d, eout=None):
     """``d``: the chunk's decay ``[K, 1]``, or None (no gate, no resets: ``d_end = 1``)."""
+    ut, upd = _fwd_update(cfg, S, w, u, ko, eout)
+    return ut, _mul(S, d) + upd
+
+
+def _fwd_update(cfg: Cfg, S, w, u, ko, eout=None):
+    """``(Ũ, k_outᵀ Ũ)`` of a chunk with state ``S``: ``Ũ = U − W S`` and the state's update."""
     ut = u - mm(cfg, w, S)
-    S = _mul(S, d) + mm(cfg, ko, _mul(ut, eout), ta=True)
-    return ut, S
+    return ut, mm(cfg, ko, _mul(ut, eout), ta=True)
 
 
 def _decays(cfg: Cfg) -> bool:
@@ -143,13 +149,23 @@ def _decays(cfg: Cfg) -> bool:
 
 
 def _d_end(cfg: Cfg, dend_ref, n):
-    """Chunk ``n``'s decay for the state loops: ``[K, 1]`` (per-channel gates), a scalar (scalar gates,
-    document resets: ``d_end`` is one number stored down the column — a scalar multiplies the state
-    in any layout, where a ``[K, 1]`` column had to be moved into the state's layout every step),
-    or None (no decay)."""
+    """Chunk ``n``'s decay ``[K, 1]`` for the state loops (scalar gates and document resets store their
+    one number down the column), or None (no decay)."""
     if not _decays(cfg):
         return None
-    return dend_ref[n].astype(F32) if cfg.channel else dend_ref[n, 0, 0].astype(F32)
+    return dend_ref[n].astype(F32)
+
+
+def _lagged_decay(cfg: Cfg, dend_ref, n_chunks: int, step, first):
+    """The decay the loops apply at the top of a step: that of the chunk before it in the loop's order
+    (``step``, clamped), and 1 at the ``first`` step. The loops carry a state and its last update
+    apart and combine them a step late (``S_n = d_{n−1} ⊙ S_{n−1} + k_outᵀ Ũ_{n−1}``), so that ``d``
+    feeds that step's matmuls: Triton's pipeliner then prefetches it with the matmuls' operands. A
+    load that fed only the carried state was not pipelined and waited on memory inside every step,
+    even issued a step ahead (``docs/benchmarks.md``, "State passes")."""
+    if not _decays(cfg):
+        return None
+    return jnp.where(first, 1.0, _d_end(cfg, dend_ref, jnp.clip(step, 0, n_chunks - 1)))
 
 
 def _chunk_rows(n, C):
@@ -157,46 +173,40 @@ def _chunk_rows(n, C):
     return pl.ds(n * C if isinstance(n, int) else pl.multiple_of(n * C, C), C)
 
 
-def _ahead(n_chunks, n, step, load):
-    """``load(n + step)`` clamped to the chunks: the loop loads a step's small operands (``d_end``, row
-    factors) one iteration ahead and carries them — Triton pipelines only the loads that feed its
-    matmuls, and these would otherwise wait on memory inside the dependent chain of every step."""
-    return load(jnp.clip(n + step, 0, n_chunks - 1))
-
-
 def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
-    """GPU: one program per ``(b, h, value block)`` carries ``S`` through the chunks. With ``out.o``
-    each chunk's output block ``O_n = q_in S_n + M Ũ_n`` is taken here, from the state in registers
-    (the output kernel's work, without writing and re-reading ``h``); without ``out.h`` and ``out.ut``
-    neither per-chunk states nor ``Ũ`` are stored (a forward that no backward reads). ``q_in`` and
-    ``k_out`` as :func:`row_factors` says."""
+    """GPU: one program per ``(b, h, value block)`` carries ``S`` through the chunks (its decay applied a
+    step late: :func:`_lagged_decay`). With ``out.o`` each chunk's output block ``O_n = q_in S_n + M Ũ_n``
+    is taken here, from the state in registers (the output kernel's work, without writing and
+    re-reading ``h``); without ``out.h`` and ``out.ut`` neither per-chunk states nor ``Ũ`` are stored
+    (a forward that no backward reads). ``q_in`` and ``k_out`` as :func:`row_factors` says; every
+    operand of a step feeds its matmuls (``ein`` scales ``q``'s rows for the output), so Triton
+    pipelines all of their loads."""
     ins, (h_ref, ut_ref, st_ref, o_ref) = out.split(cfg, refs)
     w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref, ein_ref, eout_ref = ins
     C = cfg.chunk
     cols = row_factors(cfg) == "columns"
 
-    def small(n):  # the step's operands outside its matmuls: d_end, eout (and ein for the output)
-        rows = _chunk_rows(n, C)
-        return (_d_end(cfg, dend_ref, n), _rows(eout_ref, rows),
-                ein_ref[rows, :] if (cols and o_ref is not None) else None)
-
     def body(n, carry):
-        S, (d, eout, ein) = carry
-        nxt = _ahead(n_chunks, n, 1, small)
+        S, upd = carry
+        S = _mul(S, _lagged_decay(cfg, dend_ref, n_chunks, n - 1, n == 0)) + upd
         if h_ref is not None:
             h_ref[n] = S.astype(h_ref.dtype)
         rows = _chunk_rows(n, C)
-        S_n = S
-        ut, S = state_fwd_step(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :], d, eout)
+        ut, upd = _fwd_update(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :],
+                              _rows(eout_ref, rows))
         if ut_ref is not None:
             ut_ref[rows, :] = ut.astype(ut_ref.dtype)
         if o_ref is not None:
-            o_ref[rows, :] = _chunk_output(cfg, qin_ref[rows, :], S_n, m_ref[rows, :], ut,
-                                           ein if cols else _ein(cfg, None, rows)).astype(o_ref.dtype)
-        return S, nxt
+            qin = qin_ref[rows, :]
+            if cols:
+                qin = qin.astype(F32) * ein_ref[rows, :]
+            o_ref[rows, :] = _chunk_output(cfg, qin, S, m_ref[rows, :], ut,
+                                           None if cols else _ein(cfg, None, rows)).astype(o_ref.dtype)
+        return S, upd
 
-    S, _ = lax.fori_loop(0, n_chunks, body, (h0_ref[...].astype(F32), small(0)))
-    st_ref[...] = S.astype(st_ref.dtype)
+    S0 = h0_ref[...].astype(F32)
+    S, upd = lax.fori_loop(0, n_chunks, body, (S0, jnp.zeros_like(S0)))
+    st_ref[...] = (_mul(S, _d_end(cfg, dend_ref, n_chunks - 1)) + upd).astype(st_ref.dtype)
 
 
 def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):
@@ -258,13 +268,19 @@ def _ein(cfg: Cfg, ref, rows):
 
 def state_bwd_step(cfg: Cfg, dS, m, do, ko, qi, w, d, ein=None, eout=None):
     """``d`` as in :func:`state_fwd_step`."""
+    dut, upd = _bwd_update(cfg, dS, m, do, ko, qi, w, ein, eout)
+    return dut, _mul(dS, d) + upd
+
+
+def _bwd_update(cfg: Cfg, dS, m, do, ko, qi, w, ein=None, eout=None):
+    """``(dŨ, q_inᵀ dO − Wᵀ dŨ)`` of a chunk whose end state has the cotangent ``dS``: ``dŨ`` and the
+    part of the cotangent of its start state that is not ``d ⊙ dS``."""
     dut = mm(cfg, m, do, ta=True) + _mul(mm(cfg, ko, dS), eout)
     if isinstance(ein, float):  # a constant: scale the [K, bv] product (no rounding of dO)
         qdo = mm(cfg, qi, do, ta=True) * ein
     else:
         qdo = mm(cfg, qi, _mul(do, ein), ta=True)
-    dS = qdo + _mul(dS, d) - mm(cfg, w, dut, ta=True)
-    return dut, dS
+    return dut, qdo - mm(cfg, w, dut, ta=True)
 
 
 def _bwd_refs(cfg: Cfg, refs, n_out: int):
@@ -284,28 +300,23 @@ def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs, stores: bool = True):
     dh_ref, dut_ref, dh0_ref = outs if stores else (None, None, outs[0])
     m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref, ein_ref, eout_ref = ins
     C = cfg.chunk
-    cols = row_factors(cfg) == "columns"
-
-    def small(n):  # as in state_fwd_loop: d_end and the row factors, one iteration ahead
-        rows = _chunk_rows(n, C)
-        return (_d_end(cfg, dend_ref, n), _rows(eout_ref, rows),
-                ein_ref[rows, :] if cols else None)
 
     def body(i, carry):
-        dS, (d, eout, ein) = carry
+        dS, upd = carry
         n = n_chunks - 1 - i
-        nxt = _ahead(n_chunks, n, -1, small)
+        dS = _mul(dS, _lagged_decay(cfg, dend_ref, n_chunks, n + 1, i == 0)) + upd
         if dh_ref is not None:
             dh_ref[n] = dS.astype(dh_ref.dtype)
         rows = _chunk_rows(n, C)
-        dut, dS = state_bwd_step(cfg, dS, m_ref[rows, :], do_ref[rows, :], ko_ref[rows, :], qi_ref[rows, :],
-                                 w_ref[rows, :], d, ein if cols else _ein(cfg, None, rows), eout)
+        dut, upd = _bwd_update(cfg, dS, m_ref[rows, :], do_ref[rows, :], ko_ref[rows, :], qi_ref[rows, :],
+                               w_ref[rows, :], _ein(cfg, ein_ref, rows), _rows(eout_ref, rows))
         if dut_ref is not None:
             dut_ref[rows, :] = dut.astype(dut_ref.dtype)
-        return dS, nxt
+        return dS, upd
 
-    dS, _ = lax.fori_loop(0, n_chunks, body, (dst_ref[...].astype(F32), small(n_chunks - 1)))
-    dh0_ref[...] = dS.astype(dh0_ref.dtype)
+    dS0 = dst_ref[...].astype(F32)
+    dS, upd = lax.fori_loop(0, n_chunks, body, (dS0, jnp.zeros_like(dS0)))
+    dh0_ref[...] = (_mul(dS, _d_end(cfg, dend_ref, 0)) + upd).astype(dh0_ref.dtype)
 
 
 def state_bwd_grid(cfg: Cfg, *refs, stores: bool = True):
