@@ -162,7 +162,7 @@ def _lagged_decay(cfg: Cfg, dend_ref, n_chunks: int, step, first):
     apart and combine them a step late (``S_n = d_{n−1} ⊙ S_{n−1} + k_outᵀ Ũ_{n−1}``), so that ``d``
     feeds that step's matmuls: Triton's pipeliner then prefetches it with the matmuls' operands. A
     load that fed only the carried state was not pipelined and waited on memory inside every step,
-    even issued a step ahead (``docs/benchmarks.md``, "State passes")."""
+    even issued a step ahead (``docs/benchmarks.md``, "State passes: every load pipelined")."""
     if not _decays(cfg):
         return None
     return jnp.where(first, 1.0, _d_end(cfg, dend_ref, jnp.clip(step, 0, n_chunks - 1)))

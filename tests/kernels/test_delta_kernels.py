@@ -185,6 +185,17 @@ def test_bf16_inputs(rule):
     assert g["dq"].dtype == jnp.bfloat16 and g["dS0"].dtype == jnp.float32
 
 
+@pytest.mark.parametrize("rule", ["gdn", pytest.param("kda", marks=pytest.mark.slow)])
+def test_one_chunk_sequences(rule):
+    """T = 20: one chunk, so the state loops run a single step — the decay they apply a step late
+    (``kernels._lagged_decay``) reaches the final state and the initial state's gradient only after
+    the loop; a reset at token 1 in one of the sequences."""
+    x = make_inputs(5)
+    for n in ("q", "k", "v", "beta", "w_o", "g", "gs", "seg"):
+        x[n] = np.ascontiguousarray(x[n][:, :20])
+    check(rule, x, True, 1e-4)
+
+
 def test_tpu_flavour_in_interpret_mode():
     """Head-major layout, K/V padded to 128, 64-token chunks, grid-sequential state passes."""
     check("kda", make_inputs(3), True, 1e-4, target="tpu")
