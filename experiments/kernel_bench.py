@@ -756,13 +756,14 @@ def plot(results, path):
 
 def parse_tuning(ap, flag, text) -> dict:
     """``knob=value,...`` of the Pallas launch knobs, validated (``ap.error`` naming ``flag``)."""
-    from kernels.delta.api import ANCHORED_BWD, GRID_ORDERS, INVERSES, STATE_BWD
+    from kernels.delta.api import ANCHORED_BWD, ANCHORED_FWD, GRID_ORDERS, INVERSES, STATE_BWD
     out = {}
     for item in filter(None, text.split(",")):
         key, sep, val = item.partition("=")
         if not sep:
             ap.error(f"{flag}: expected knob=value items, got {item!r}")
-        choices = {"anchored_bwd": ANCHORED_BWD, "state_bwd": STATE_BWD, "inverse": ("auto",) + INVERSES,
+        choices = {"anchored_bwd": ANCHORED_BWD, "anchored_fwd": ANCHORED_FWD, "state_bwd": STATE_BWD,
+                   "inverse": ("auto",) + INVERSES,
                    "grid_order": GRID_ORDERS}
         if key in choices:
             if val not in choices[key]:

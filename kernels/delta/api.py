@@ -86,6 +86,15 @@ TARGETS = ("gpu", "tpu")
 # residuals, same gradients up to rounding. The back-solve (dv, dβ, the dKK hand-off) has no diagonal
 # tiles to compute: it starts from the forward kernel's decayed scores KK (a residual).
 ANCHORED_BWD = ("none", "scores")
+# KDA forward with exact gates on GPUs: "fused" — one intra-chunk kernel decides per diagonal tile at run
+# time between the anchored matmul and the exact 16-step loop (``tiles.Chunk.diag_tile``) — or "fixup":
+# the bounded-gate kernel (every tile anchored, none of the loop's code: ptxas, bf16, 4 warps, 196 B of
+# spill stores per thread against the fused kernel's 348 B; ``triton_compile_check --gate kda
+# --anchored_fwd fixup``) runs on every chunk and flags the chunks holding a tile whose gates span too
+# far to anchor (``tiles.Chunk.span_safe``), then the "fused" kernel runs on those chunks alone, writing
+# over the first pass's outputs (``kernels.intra_fwd_fixup``; its other programs return at once). Same
+# outputs up to rounding. "fixup" is not yet timed against "fused", which stays the default.
+ANCHORED_FWD = ("fused", "fixup")
 # GPU state passes: Triton software-pipelines the loads of the next chunks (W, U, k, the decay) under
 # the current chunk's matmuls. On one H200 (bf16, (2, 8192), H 16, D 128, bv 32) state fwd + bwd
 # 1.83 ms with 1 stage (no pipelining), 1.33 with 2, 1.07 with 3.
@@ -138,6 +147,7 @@ class Spec:
     num_warps_fwd: int = 4  # GPU: warps of the forward's intra-chunk kernel (``default_warps_fwd``)
     num_warps_solve: int = 4  # GPU: warps of the backward's solve kernel (``default_warps_solve``)
     anchored_bwd: str = "scores"  # per-channel gates: whether the backward's scores kernel anchors (ANCHORED_BWD)
+    anchored_fwd: str = "fused"  # exact per-channel gates, GPU: one intra-chunk forward kernel or two (ANCHORED_FWD)
     fuse_output: bool = True  # the forward state pass takes the output (no output kernel; see _state_fwd)
     state_bwd: str = "triton"  # GPU: lowering of the backward state pass, "triton" or "mosaic" (STATE_BWD)
     state_split: int = 1  # segments the state passes split each sequence into (_state_forward); B, N, bv
@@ -283,11 +293,14 @@ def _grouped(s: Spec, body, grid, in_specs, out_specs):
 
 
 def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, state=False, scratch=(), warps=None,
-          group=False):
-    """``group``: a backward intra-chunk kernel, whose programs loop over ``s.chunks_per_program`` chunks."""
+          group=False, aliases=None):
+    """``group``: a backward intra-chunk kernel, whose programs loop over ``s.chunks_per_program`` chunks;
+    ``aliases``: ``{input index: output index}`` (the output starts as that input's buffer)."""
     kw = {}
     if scratch:
         kw["scratch_shapes"] = list(scratch)
+    if aliases:
+        kw["input_output_aliases"] = dict(aliases)
     stages = None
     if semantics == ("parallel",) * 3 and not state:  # the (b, h, n) parallel grids
         if group and s.chunks_per_program > 1:
@@ -355,11 +368,35 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
                  jax.ShapeDtypeStruct(_tok_shape(s, C), F32)]     # KK (decayed, strictly lower), for the backward
     out_specs = [tk, tv, tc, tqk, tqk, cd, tc]
     keep = [True, True, True, rows != "scale", rows != "scale", True, residuals]
-    res = iter(_call(s, functools.partial(kn.intra_fwd, s.cfg, residuals=residuals), grid=(s.B, s.H, s.N),
-                     in_specs=specs, out_specs=[x for x, k_ in zip(out_specs, keep) if k_],
-                     out_shape=[x for x, k_ in zip(out_shape, keep) if k_],
-                     semantics=("parallel", "parallel", "parallel"), warps=s.num_warps_fwd)(*args))
+    out_shape = [x for x, k_ in zip(out_shape, keep) if k_]
+    out_specs = [x for x, k_ in zip(out_specs, keep) if k_]
+    par = ("parallel", "parallel", "parallel")
+    if _fixup_fwd(s):
+        # first pass: the bounded-gate kernel on every chunk, and a [C, 1] column per chunk that is 1 where
+        # a diagonal tile's gates span too far to anchor; second pass: the exact kernel on those chunks
+        cfg_a = dataclasses.replace(s.cfg, gate_bound=MIN_GATE_BOUND, anchor_when_safe=False)
+        t1 = _tok_spec(s, C, 1, lambda b, h, n: (b, n, h, 0))
+        *first, unsafe = _call(s, functools.partial(kn.intra_fwd, cfg_a, residuals=residuals, flag=True),
+                               grid=(s.B, s.H, s.N), in_specs=specs, out_specs=out_specs + [t1],
+                               out_shape=out_shape + [jax.ShapeDtypeStruct(_tok_shape(s, 1), F32)],
+                               semantics=par, warps=s.num_warps_fwd)(*args)
+        n_in = len(args) + 1
+        outs = _call(s, functools.partial(kn.intra_fwd_fixup, s.cfg, n_in, residuals=residuals),
+                     grid=(s.B, s.H, s.N), in_specs=specs + [t1] + out_specs, out_specs=out_specs,
+                     out_shape=out_shape, semantics=par, warps=s.num_warps_fwd,
+                     aliases={n_in + i: i for i in range(len(out_shape))})(*args, unsafe, *first)
+    else:
+        outs = _call(s, functools.partial(kn.intra_fwd, s.cfg, residuals=residuals), grid=(s.B, s.H, s.N),
+                     in_specs=specs, out_specs=out_specs, out_shape=out_shape, semantics=par,
+                     warps=s.num_warps_fwd)(*args)
+    res = iter(outs)
     return tuple(next(res) if k_ else None for k_ in keep)
+
+
+def _fixup_fwd(s: Spec) -> bool:
+    """Whether the forward's intra-chunk kernel runs as two passes (``anchored_fwd="fixup"``: exact
+    per-channel gates on GPUs, ``ANCHORED_FWD``)."""
+    return s.anchored_fwd == "fixup" and s.cfg.channel and s.cfg.anchor_when_safe and s.cfg.gate_bound is None
 
 
 class _QK(NamedTuple):
@@ -917,7 +954,8 @@ def _check_gate_bound(g, gate, bound):
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
-             state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto"):
+             state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto",
+             anchored_fwd="fused"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -964,6 +1002,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         anchored_bwd = "scores"
     if anchored_bwd not in ANCHORED_BWD:
         raise ValueError(f"`anchored_bwd` must be one of {ANCHORED_BWD}, got {anchored_bwd!r}")
+    if anchored_fwd not in ANCHORED_FWD:
+        raise ValueError(f"`anchored_fwd` must be one of {ANCHORED_FWD}, got {anchored_fwd!r}")
     if not isinstance(fuse_output, bool):
         raise ValueError(f"`fuse_output` must be True or False, got {fuse_output!r}")
     if state_bwd not in STATE_BWD:
@@ -1012,8 +1052,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
                             else int(num_warps_fwd)),
              num_warps_solve=(default_warps_solve(num_warps, low) if num_warps_solve is None
                               else int(num_warps_solve)),
-             anchored_bwd=anchored_bwd, fuse_output=fuse_output, state_bwd=state_bwd, state_split=state_split,
-             grid_order=grid_order, chunks_per_program=chunks_per_program)
+             anchored_bwd=anchored_bwd, anchored_fwd=anchored_fwd, fuse_output=fuse_output, state_bwd=state_bwd,
+             state_split=state_split, grid_order=grid_order, chunks_per_program=chunks_per_program)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)
@@ -1060,7 +1100,7 @@ def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
     None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
     ``gate_lower_bound``, ``chunk_size`` and the launch knobs (``bv``, ``num_warps``,
     ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``, ``num_warps_solve``,
-    ``anchored_bwd``)."""
+    ``anchored_bwd``, ``anchored_fwd``)."""
     if gate is None and g is not None:
         gate = "channel" if g.ndim == 4 else "scalar"
     tuning.setdefault("chunk_size", None)
@@ -1126,6 +1166,10 @@ _BOUND_DOC = """      gate_lower_bound: opt-in bounded-gate mode (e.g. ``-5.0`` 
       anchored_bwd (launch knob): ``"scores"`` (default: the backward anchors its diagonal
         tiles — bounded gates: all; exact gates on GPUs: those whose gates allow it) or
         ``"none"`` (the exact loop on every one); see ``ANCHORED_BWD``.
+      anchored_fwd (launch knob; exact gates on GPUs): ``"fused"`` (default: one intra-chunk
+        forward kernel, deciding per diagonal tile between the anchored matmul and the loop) or
+        ``"fixup"`` (the bounded-gate kernel on every chunk, then the fused kernel again on the
+        chunks holding a tile whose gates sum below −64 — not yet timed); see ``ANCHORED_FWD``.
 """
 chunk_kda.__doc__ = ("Kimi Delta Attention (``g [B, T, H, K]`` per-channel log-decay: decay, then erase), by "
                      "Pallas kernels." + _DOC.replace("    Returns:", _BOUND_DOC + "    Returns:"))

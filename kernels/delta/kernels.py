@@ -13,7 +13,9 @@ carry the state across chunks:
 =====================  =====  ==================================================
 
 On GPUs ``intra_bwd`` runs as two kernels, ``intra_bwd_solve`` (``dv, dβ``) then
-``intra_bwd_scores`` (``dq, dk, dg``), to keep Triton's register use down (see there).
+``intra_bwd_scores`` (``dq, dk, dg``), to keep Triton's register use down (see there). With exact
+per-channel gates ``intra_fwd`` may run as two passes (``anchored_fwd="fixup"``: the bounded-gate
+kernel everywhere, then :func:`intra_fwd_fixup` on the chunks it flags).
 
 ``KK`` (f32 ``[C, C]`` per chunk, the backward's residual) is strictly lower; the upper triangles of
 its diagonal tiles carry the transposed inverses ``T_IIᵀ`` of the UT solve's diagonal tiles, so the
@@ -65,10 +67,15 @@ def _tiles(ref, nb, scale=None):
 # ---------------------------------------------------------------------------
 # intra_fwd
 # ---------------------------------------------------------------------------
-def intra_fwd(cfg: Cfg, *refs, residuals: bool = True):
+def intra_fwd(cfg: Cfg, *refs, residuals: bool = True, flag: bool = False):
     """``residuals=False`` (a forward no backward reads): no ``KK`` output; ``q_in``, ``k_out`` as
-    :func:`row_factors` says (none in the "scale" mode)."""
+    :func:`row_factors` says (none in the "scale" mode). ``flag`` (bounded per-channel gates: the first
+    pass of ``anchored_fwd="fixup"``, :func:`intra_fwd_fixup`): one more output, a ``[C, 1]`` column that
+    is 1 where a diagonal tile of the chunk fails :meth:`~kernels.delta.tiles.Chunk.span_safe` (this
+    pass's outputs for the chunk are then not to be used), else 0."""
     r, outs = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
+    if flag:
+        *outs, flag_ref = outs
     w_ref, u_ref, m_ref, *outs = outs
     qin_ref, kout_ref = (None, None) if row_factors(cfg) == "scale" else (outs.pop(0), outs.pop(0))
     dend_ref, *kk = outs
@@ -99,6 +106,11 @@ def intra_fwd(cfg: Cfg, *refs, residuals: bool = True):
     # inverses ride in their upper triangles (KK_II is strictly lower, T_IIᵀ unit upper: no extra bytes)
     if residuals:
         _store_lower(kk[0], KK, upper=tT)
+    if flag:
+        safe = ch.span_safe(0)
+        for I in range(1, nb):
+            safe = safe & ch.span_safe(I)
+        flag_ref[...] = jnp.broadcast_to(jnp.where(safe, 0.0, 1.0), flag_ref.shape).astype(flag_ref.dtype)
     K = dend_ref.shape[0]
     if ch.d_end is None:
         d = jnp.ones((K, 1), F32)
@@ -107,6 +119,20 @@ def intra_fwd(cfg: Cfg, *refs, residuals: bool = True):
     else:
         d = jnp.broadcast_to(ch.d_end, (K, 1))
     dend_ref[...] = d.astype(dend_ref.dtype)
+
+
+def intra_fwd_fixup(cfg: Cfg, n_in: int, *refs, residuals: bool = True):
+    """Second pass of ``anchored_fwd="fixup"`` (exact per-channel gates): :func:`intra_fwd` with ``cfg``
+    (each diagonal tile anchored or looped, as its gates allow) on the chunks the first pass flagged.
+    Refs: the ``n_in − 1`` inputs of :func:`intra_fwd`, the flag column, the first pass's outputs and
+    this kernel's outputs — the same buffers (aliased), so the chunks not flagged keep the first pass's
+    values and the program returns at once."""
+    ins, flag_ref = refs[:n_in - 1], refs[n_in - 1]
+    outs = refs[n_in + (len(refs) - n_in) // 2:]
+
+    @pl.when(flag_ref[0, 0] > 0)
+    def _():
+        intra_fwd(cfg, *ins, *outs, residuals=residuals)
 
 
 # ---------------------------------------------------------------------------

@@ -338,6 +338,7 @@ class Chunk:
             else:
                 P, tot, ga, span = self._prefix_scalar(g_ref)
             self.P = P
+            self.span = span  # [1, K|1] per tile: P_I[15], the tile's gate sum without its anchor row
             before = [None] * nb
             after = [None] * nb
             acc = None
@@ -411,6 +412,12 @@ class Chunk:
         pm = get_row(P, SUB // 2)
         lo = jnp.minimum(pm - get_row(P, 0), get_row(P, SUB - 1) - pm)  # [1, K], <= 0
         return jnp.min(lo) >= -ANCHOR_SPAN
+
+    def span_safe(self, I):
+        """Scalar bool, a cheaper sufficient test than :meth:`anchor_safe`: every channel's in-tile gate
+        sum ``P_I[15] − P_I[0]`` (``P_I[0] = 0``) is ``>= -ANCHOR_SPAN``, so no ``|P_i − P_m|`` can
+        exceed it (gates ``<= 0``). False for NaN gates."""
+        return jnp.min(self.span[I]) >= -ANCHOR_SPAN
 
     def _prefix_channel(self, g_ref):
         """Per-channel in-tile prefix sums ``P_I[i] = Σ_{a_I < t <= i} g_t`` ``[16, K]`` (the anchor

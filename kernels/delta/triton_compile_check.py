@@ -24,7 +24,8 @@ import time
 GATES = ("none", "gdn", "kda", "kda_bounded")
 
 
-def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None, bv=None):
+def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None, bv=None,
+              anchored_fwd=None):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering as L
@@ -57,7 +58,8 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
 
             def loss(q, k, v, g, b, S):
                 if gate == "kda":
-                    o, s = api.chunk_kda(q, k, v, g, b, **kw)
+                    o, s = api.chunk_kda(q, k, v, g, b, **kw, **({} if anchored_fwd is None
+                                                                  else {"anchored_fwd": anchored_fwd}))
                 elif gate == "kda_bounded":
                     o, s = api.chunk_kda(q, k, v, g, b, gate_lower_bound=-5.0, anchored_bwd=anchored_bwd, **kw)
                 elif gate == "gdn":
@@ -145,6 +147,7 @@ def main(argv=None):
     ap.add_argument("--chunk_size", default=None, help="default (per target) or a comma-separated list")
     ap.add_argument("--num_warps", type=int, default=4)
     ap.add_argument("--anchored_bwd", default=None, help="kda_bounded: none | scores (default: the API's)")
+    ap.add_argument("--anchored_fwd", default=None, help="kda: fused | fixup (default: the API's)")
     ap.add_argument("--inverse", default=None, help="loop | blocks (default: the API's)")
     ap.add_argument("--bv", type=int, default=None, help="the state passes' value block (default: the API's)")
     ap.add_argument("--num_warps_state", type=int, default=None, help="the state passes' warps (default: --num_warps)")
@@ -169,7 +172,7 @@ def main(argv=None):
                 label = f"[{gate} {dtype} C={chunk or 'default'}{' docs' if args.docs else ''}] "
                 with tempfile.TemporaryDirectory() as d:
                     n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk, args.anchored_bwd,
-                                   args.inverse, args.bv)
+                                   args.inverse, args.bv, args.anchored_fwd)
                     print(f"{label}{n} kernels lowered", flush=True)
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,

@@ -385,6 +385,18 @@ def test_bounded_anchored_backward_on_gpu_flavour(gates):
     check("kda_bounded", make_inputs(1, gates=gates), True, 1e-4, target="gpu", tuning=(("anchored_bwd", "none"),))
 
 
+@pytest.mark.parametrize("gates,dtype", [("mixed", np.float32), pytest.param("unbounded", np.float32, marks=pytest.mark.slow),
+                                         pytest.param("mixed", jnp.bfloat16, marks=pytest.mark.slow)])
+def test_exact_kda_forward_in_two_passes(gates, dtype):
+    """``anchored_fwd="fixup"``: the bounded-gate intra-chunk kernel on every chunk, then the exact one
+    on the chunks it flags. "mixed" gates put tiles of −30 per token into two of the three chunks: the
+    first pass's outputs there overflow, so the second pass must replace them; the third chunk keeps
+    the first pass's."""
+    x = make_inputs(1, gates=gates, dtype=dtype)
+    check("kda", x, True, 1e-4 if dtype == np.float32 else 1e-2, target="gpu",
+          tuning=(("anchored_fwd", "fixup"),))
+
+
 @pytest.mark.parametrize("bv,stages", [(16, 1), (32, None)])
 def test_value_blocks_narrower_than_the_value_dim(bv, stages):
     """The sequential state passes split V into ``bv``-wide blocks, one program each (GPU default:
@@ -569,6 +581,8 @@ def test_anchored_bwd_rejects_unknown_value():
     with pytest.raises(ValueError, match="anchored_bwd"):
         kd.chunk_kda(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), gate_lower_bound=BOUND,
                      anchored_bwd="all")
+    with pytest.raises(ValueError, match="anchored_fwd"):
+        kd.chunk_kda(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), anchored_fwd="anchored")
 
 
 @pytest.mark.parametrize("rule", ["gdn", "kda_bounded"])
