@@ -769,9 +769,9 @@ def parse_tuning(ap, flag, text) -> dict:
             if val not in choices[key]:
                 ap.error(f"{flag}: {key} must be one of {choices[key]}, got {val!r}")
             out[key] = val
-        elif key == "fuse_output":
+        elif key in ("fuse_output", "qk_arrays"):
             if val not in ("0", "1"):
-                ap.error(f"{flag}: fuse_output must be 0 or 1, got {val!r}")
+                ap.error(f"{flag}: {key} must be 0 or 1, got {val!r}")
             out[key] = val == "1"
         elif key in ("state_split", "chunks_per_program") and val == "auto":
             out[key] = val

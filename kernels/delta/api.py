@@ -955,7 +955,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
              state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto",
-             anchored_fwd="fused"):
+             anchored_fwd="fused", qk_arrays=False):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -997,13 +997,15 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     cfg = Cfg(chunk=C, gate=gate or "none", docs=segment_ids is not None, scale=float(scale),
               mm_dtype=io_dtype if low else F32, mm_prec=None if low else f32_prec,
               solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound,
-              anchor_when_safe=(target == "gpu"), inverse=inverse)
+              anchor_when_safe=(target == "gpu"), inverse=inverse, qk_arrays=qk_arrays)
     if anchored_bwd is None:
         anchored_bwd = "scores"
     if anchored_bwd not in ANCHORED_BWD:
         raise ValueError(f"`anchored_bwd` must be one of {ANCHORED_BWD}, got {anchored_bwd!r}")
     if anchored_fwd not in ANCHORED_FWD:
         raise ValueError(f"`anchored_fwd` must be one of {ANCHORED_FWD}, got {anchored_fwd!r}")
+    if not isinstance(qk_arrays, bool):
+        raise ValueError(f"`qk_arrays` must be True or False, got {qk_arrays!r}")
     if not isinstance(fuse_output, bool):
         raise ValueError(f"`fuse_output` must be True or False, got {fuse_output!r}")
     if state_bwd not in STATE_BWD:
@@ -1127,6 +1129,10 @@ _DOC = """
       ``grid_order`` (launch order of the parallel kernels' grid: ``GRID_ORDERS``) and
       ``chunks_per_program`` (``"auto"`` or G: on GPUs each program of the backward's intra-chunk
       kernels loops over G chunks, pipelining their loads; G divides the chunk count).
+      ``qk_arrays`` (scalar gates and documents; default False): the forward kernel writes
+      ``q ⊙ E_in`` and ``k ⊙ E_out`` as ``[T, K]`` arrays for the state passes, as per-channel gates
+      do, instead of two ``[T, 1]`` row-factor columns (more bytes, fewer instructions per state
+      step; not yet timed).
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """

@@ -142,14 +142,17 @@ def row_factors(cfg: Cfg) -> str:
     """How the state passes get ``q_in = q ⊙ E_in`` and ``k_out = k ⊙ E_out``: ``"arrays"`` (per-channel
     gates: ``[T, K]`` arrays written by :func:`intra_fwd`), ``"columns"`` (scalar gates or documents:
     ``q`` and ``k`` with the ``[T, 1]`` f32 row factors ``ein`` — ``scale`` folded in — and ``eout``
-    written in their place), ``"scale"`` (DeltaNet without documents: ``E_in = scale``, ``E_out = 1``).
+    written in their place; ``"arrays"`` with ``cfg.qk_arrays``), ``"scale"`` (DeltaNet without documents:
+    ``E_in = scale``, ``E_out = 1``).
     Row factors are applied to the state passes' ``[C, bv]`` operands and results where they feed a
     matmul: ``k_outᵀ Ũ = kᵀ (eout ⊙ Ũ)``, ``k_out dS = eout ⊙ (k dS)``, ``q_inᵀ dO = qᵀ (ein ⊙ dO)``;
     the fused output scales ``q``'s ``[C, K]`` tile (``q_in S = (ein ⊙ q) S``), so that ``ein``'s
     load, too, feeds a matmul and is pipelined (:func:`_lagged_decay`)."""
     if cfg.channel:
         return "arrays"
-    return "columns" if (cfg.gated or cfg.docs) else "scale"
+    if cfg.gated or cfg.docs:
+        return "arrays" if cfg.qk_arrays else "columns"
+    return "scale"
 
 
 def _rows(ref, rows):

@@ -81,6 +81,8 @@ class Cfg:
                                     # (a per-tile branch, Chunk.anchor_safe), the 16-step loop elsewhere
     inverse: str = "loop"  # the diagonal tiles' (I + A)⁻¹: "loop" (16-step forward substitution) or
                            # "blocks" (four block merges, matmuls); see unit_lower_inverse_t
+    qk_arrays: bool = False  # scalar gates / documents: the state passes read q_in, k_out as [T, K] arrays
+                             # (kernels.row_factors), as with per-channel gates
 
     @property
     def nb(self) -> int:

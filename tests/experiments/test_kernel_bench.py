@@ -64,6 +64,7 @@ def test_fwdbwd_call_differentiates_the_rules_inputs_only(tiny, rule):
 
 @pytest.mark.parametrize("tuning, message", [("anchored_bwd=all", "anchored_bwd must be one of"),
                                              ("anchored_fwd=both", "anchored_fwd must be one of"),
+                                             ("qk_arrays=yes", "qk_arrays must be 0 or 1"),
                                              ("bv=x", "bv must be an integer"), ("bv", "knob=value"),
                                              ("warps=8", "unknown knob"),
                                              ("state_split=half", "state_split must be an integer")])

@@ -26,6 +26,7 @@ import pytest
 from tests._jaxpr import live_pallas_calls, pallas_launches
 
 from kernels.delta import api as kd
+from kernels.delta import kernels as kn
 from kernels.delta import reference as kref
 
 B, T, H, K, V = 2, 75, 2, 16, 16  # odd T: 3 chunks of 32 (GPU flavour), 2 of 64 (TPU flavour)
@@ -397,6 +398,19 @@ def test_exact_kda_forward_in_two_passes(gates, dtype):
           tuning=(("anchored_fwd", "fixup"),))
 
 
+@pytest.mark.parametrize("rule,dtype", [("gdn", np.float32), pytest.param("delta", np.float32, marks=pytest.mark.slow),
+                                        pytest.param("gdn", jnp.bfloat16, marks=pytest.mark.slow)])
+def test_qk_arrays(rule, dtype):
+    """``qk_arrays=True``: with a scalar gate or resets the state passes read ``q ⊙ E_in`` and
+    ``k ⊙ E_out`` as arrays (kernels.row_factors "arrays") instead of ``q``, ``k`` and row factors."""
+    x = make_inputs(6, dtype=dtype)
+    check(rule, x, True, 1e-4 if dtype == np.float32 else 1e-2, tuning=(("qk_arrays", True),))
+    if rule == "gdn":
+        a = [jnp.asarray(x[n]) for n in ("q", "k", "v", "gs", "beta")]
+        assert kn.row_factors(kd._debug_spec(*a, qk_arrays=True)[0].cfg) == "arrays"
+        assert kn.row_factors(kd._debug_spec(*a)[0].cfg) == "columns"
+
+
 @pytest.mark.parametrize("bv,stages", [(16, 1), (32, None)])
 def test_value_blocks_narrower_than_the_value_dim(bv, stages):
     """The sequential state passes split V into ``bv``-wide blocks, one program each (GPU default:
@@ -583,6 +597,8 @@ def test_anchored_bwd_rejects_unknown_value():
                      anchored_bwd="all")
     with pytest.raises(ValueError, match="anchored_fwd"):
         kd.chunk_kda(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), anchored_fwd="anchored")
+    with pytest.raises(ValueError, match="qk_arrays"):
+        kd.chunk_kda(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), qk_arrays="yes")
 
 
 @pytest.mark.parametrize("rule", ["gdn", "kda_bounded"])
