@@ -645,12 +645,14 @@ def load_kernels(path):
 
 
 def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=lambda: False, modes=AB_MODES,
-            ref=None):
+            ref=None, gate_scale=1.0):
     """Pallas with ``--pallas_tuning`` (A) against the same with ``knobs_b`` changed (B), paired: per
     (shape, rule, mode) both are compiled, then timed in ``AB_ROUNDS`` alternating rounds of ``reps``
     calls (A B, B A, ...); the row keeps each round's medians and the median of the rounds' B / A.
     ``ref`` (``--ab_ref``: a kernel package from :func:`load_kernels`): A runs that package's kernels,
-    B this tree's — two versions of the code paired in one process."""
+    B this tree's — two versions of the code paired in one process. ``gate_scale`` (``--ab_gate_scale``)
+    multiplies the benchmark's log-decays (default in (−0.2, 0) per token; 400 puts every 16-token tile's
+    gate sum far below −64, so no exact-gate KDA tile can be anchored)."""
     tun_a = dict(PALLAS_TUNING)
     tun_b = dict(PALLAS_TUNING, **knobs_b)
     rows = results.setdefault("ab", [])
@@ -658,7 +660,7 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
         if over():
             log("budget reached: skipping ab", (B, T))
             continue
-        x = make_inputs(B, T)
+        x = make_inputs(B, T, gate_scale=gate_scale)
         for rule in rules:
             for mode in modes:
                 fs = []
@@ -674,6 +676,7 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
                         (ta if j == 0 else tb).append(time_jax(fs[j], *args, reps=reps, rounds=1))
                 ratios = [b / a for a, b in zip(ta, tb)]
                 row = dict(B=B, T=T, rule=rule, mode=mode, a=tun_a, b=tun_b, a_ms=ta, b_ms=tb, a_ref=ref is not None,
+                           gate_scale=gate_scale,
                            a_median=statistics.median(ta), b_median=statistics.median(tb),
                            b_over_a=statistics.median(ratios), b_over_a_range=[min(ratios), max(ratios)])
                 rows.append(row)
@@ -808,6 +811,8 @@ def main(argv=None):
                          "`git worktree add`), B this tree's; --ab may then be empty")
     ap.add_argument("--ab_modes", default=",".join(AB_MODES),
                     help="--parts ab: which of " + ",".join(AB_MODES) + " to time (comma-separated)")
+    ap.add_argument("--ab_gate_scale", type=float, default=1.0,
+                    help="--parts ab: multiply the log-decay gates by this (> 0; e.g. 400: no KDA tile anchorable)")
     ap.add_argument("--pallas_tuning", default="",
                     help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores,"
                          "fuse_output=0,state_bwd=triton,inverse=loop,state_split=8 (or auto),grid_order=nbh")
@@ -825,6 +830,8 @@ def main(argv=None):
             ap.error(f"--ab_modes: unknown mode {m!r} (one of {', '.join(AB_MODES)})")
     if "ab" in args.parts.split(",") and not knobs_b and not args.ab_ref:
         ap.error("--parts ab needs --ab knob=value[,knob=value] (the B side's changed launch knobs) or --ab_ref DIR")
+    if not args.ab_gate_scale > 0:
+        ap.error(f"--ab_gate_scale must be > 0, got {args.ab_gate_scale}")
     ref = None
     if args.ab_ref is not None:
         try:
@@ -887,7 +894,7 @@ def main(argv=None):
         part_profile(results, shapes, rules, methods, pc, over)
         save()
     if "ab" in parts:
-        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes, ref=ref)
+        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes, ref=ref, gate_scale=args.ab_gate_scale)
         results["ab_table"] = ab_table(results)
         log(results["ab_table"])
         save()

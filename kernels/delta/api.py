@@ -86,14 +86,17 @@ TARGETS = ("gpu", "tpu")
 # residuals, same gradients up to rounding. The back-solve (dv, dβ, the dKK hand-off) has no diagonal
 # tiles to compute: it starts from the forward kernel's decayed scores KK (a residual).
 ANCHORED_BWD = ("none", "scores")
-# KDA forward with exact gates on GPUs: "fused" — one intra-chunk kernel decides per diagonal tile at run
-# time between the anchored matmul and the exact 16-step loop (``tiles.Chunk.diag_tile``) — or "fixup":
-# the bounded-gate kernel (every tile anchored, none of the loop's code: ptxas, bf16, 4 warps, 196 B of
-# spill stores per thread against the fused kernel's 348 B; ``triton_compile_check --gate kda
-# --anchored_fwd fixup``) runs on every chunk and flags the chunks holding a tile whose gates span too
-# far to anchor (``tiles.Chunk.span_safe``), then the "fused" kernel runs on those chunks alone, writing
-# over the first pass's outputs (``kernels.intra_fwd_fixup``; its other programs return at once). Same
-# outputs up to rounding. "fixup" is not yet timed against "fused", which stays the default.
+# KDA forward with exact gates on GPUs: "fixup" (default) — the bounded-gate kernel (every tile
+# anchored, none of the 16-step loop's code: ptxas, bf16, 4 warps, 196 B of spill stores per thread
+# against the fused kernel's 348 B; ``triton_compile_check --gate kda --anchored_fwd fixup``) runs on
+# every chunk and flags the chunks holding a tile whose gates span too far to anchor
+# (``tiles.Chunk.span_safe``), then the "fused" kernel runs on those chunks alone, writing over the
+# first pass's outputs (``kernels.intra_fwd_fixup``; its other programs return at once) — or "fused":
+# one intra-chunk kernel that decides per diagonal tile at run time between the anchored matmul and
+# the exact loop (``tiles.Chunk.diag_tile``). Same outputs up to rounding. Paired on one H200 (bf16,
+# gates in (−0.2, 0), no chunk flagged), fixup / fused: forward 0.80–0.83, fwd+bwd 0.90–0.92 at
+# (2, 8192), (8, 2048), (1, 32768); with every chunk flagged the second pass reruns the whole forward
+# (``kernel_bench --ab_gate_scale``; docs/benchmarks.md, "Launch knobs").
 ANCHORED_FWD = ("fused", "fixup")
 # GPU state passes: Triton software-pipelines the loads of the next chunks (W, U, k, the decay) under
 # the current chunk's matmuls. On one H200 (bf16, (2, 8192), H 16, D 128, bv 32) state fwd + bwd
@@ -147,7 +150,7 @@ class Spec:
     num_warps_fwd: int = 4  # GPU: warps of the forward's intra-chunk kernel (``default_warps_fwd``)
     num_warps_solve: int = 4  # GPU: warps of the backward's solve kernel (``default_warps_solve``)
     anchored_bwd: str = "scores"  # per-channel gates: whether the backward's scores kernel anchors (ANCHORED_BWD)
-    anchored_fwd: str = "fused"  # exact per-channel gates, GPU: one intra-chunk forward kernel or two (ANCHORED_FWD)
+    anchored_fwd: str = "fixup"  # exact per-channel gates, GPU: two intra-chunk forward passes or one (ANCHORED_FWD)
     fuse_output: bool = True  # the forward state pass takes the output (no output kernel; see _state_fwd)
     state_bwd: str = "triton"  # GPU: lowering of the backward state pass, "triton" or "mosaic" (STATE_BWD)
     state_split: int = 1  # segments the state passes split each sequence into (_state_forward); B, N, bv
@@ -955,7 +958,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
              state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto",
-             anchored_fwd="fused", qk_arrays=False):
+             anchored_fwd="fixup", qk_arrays=False):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -1132,7 +1135,7 @@ _DOC = """
       ``qk_arrays`` (scalar gates and documents; default False): the forward kernel writes
       ``q ⊙ E_in`` and ``k ⊙ E_out`` as ``[T, K]`` arrays for the state passes, as per-channel gates
       do, instead of two ``[T, 1]`` row-factor columns (more bytes, fewer instructions per state
-      step; not yet timed).
+      step; slower on one H200: GDN forward 1.26–1.41×, fwd+bwd 1.04–1.07×).
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """
@@ -1172,10 +1175,11 @@ _BOUND_DOC = """      gate_lower_bound: opt-in bounded-gate mode (e.g. ``-5.0`` 
       anchored_bwd (launch knob): ``"scores"`` (default: the backward anchors its diagonal
         tiles — bounded gates: all; exact gates on GPUs: those whose gates allow it) or
         ``"none"`` (the exact loop on every one); see ``ANCHORED_BWD``.
-      anchored_fwd (launch knob; exact gates on GPUs): ``"fused"`` (default: one intra-chunk
-        forward kernel, deciding per diagonal tile between the anchored matmul and the loop) or
-        ``"fixup"`` (the bounded-gate kernel on every chunk, then the fused kernel again on the
-        chunks holding a tile whose gates sum below −64 — not yet timed); see ``ANCHORED_FWD``.
+      anchored_fwd (launch knob; exact gates on GPUs): ``"fixup"`` (default: the bounded-gate
+        kernel on every chunk, then the exact kernel again on the chunks holding a tile whose
+        gates sum below −64) or ``"fused"`` (one intra-chunk forward kernel, deciding per diagonal
+        tile between the anchored matmul and the loop: faster only where most chunks hold such
+        tiles); see ``ANCHORED_FWD``.
 """
 chunk_kda.__doc__ = ("Kimi Delta Attention (``g [B, T, H, K]`` per-channel log-decay: decay, then erase), by "
                      "Pallas kernels." + _DOC.replace("    Returns:", _BOUND_DOC + "    Returns:"))

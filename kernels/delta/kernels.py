@@ -14,7 +14,7 @@ carry the state across chunks:
 
 On GPUs ``intra_bwd`` runs as two kernels, ``intra_bwd_solve`` (``dv, dβ``) then
 ``intra_bwd_scores`` (``dq, dk, dg``), to keep Triton's register use down (see there). With exact
-per-channel gates ``intra_fwd`` may run as two passes (``anchored_fwd="fixup"``: the bounded-gate
+per-channel gates ``intra_fwd`` runs as two passes on GPUs (``anchored_fwd="fixup"``: the bounded-gate
 kernel everywhere, then :func:`intra_fwd_fixup` on the chunks it flags).
 
 ``KK`` (f32 ``[C, C]`` per chunk, the backward's residual) is strictly lower; the upper triangles of

@@ -74,6 +74,13 @@ def test_bad_tuning_flags_are_named(tuning, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("scale", ["0", "-1", "nan"])
+def test_bad_ab_gate_scale_is_named(scale, capsys):
+    with pytest.raises(SystemExit):
+        kb.main(["--parts", "ab", "--ab", "bv=64", "--ab_gate_scale", scale, "--out", "unused"])
+    assert "--ab_gate_scale must be > 0" in capsys.readouterr().err
+
+
 def test_fla_cache_points_triton_at_the_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", "unset")  # restored after the test
     monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")

@@ -386,16 +386,17 @@ def test_bounded_anchored_backward_on_gpu_flavour(gates):
     check("kda_bounded", make_inputs(1, gates=gates), True, 1e-4, target="gpu", tuning=(("anchored_bwd", "none"),))
 
 
-@pytest.mark.parametrize("gates,dtype", [("mixed", np.float32), pytest.param("unbounded", np.float32, marks=pytest.mark.slow),
-                                         pytest.param("mixed", jnp.bfloat16, marks=pytest.mark.slow)])
-def test_exact_kda_forward_in_two_passes(gates, dtype):
-    """``anchored_fwd="fixup"``: the bounded-gate intra-chunk kernel on every chunk, then the exact one
-    on the chunks it flags. "mixed" gates put tiles of −30 per token into two of the three chunks: the
-    first pass's outputs there overflow, so the second pass must replace them; the third chunk keeps
-    the first pass's."""
+@pytest.mark.parametrize("gates,dtype,mode", [("mixed", np.float32, "fixup"), ("mixed", np.float32, "fused"),
+                                              pytest.param("unbounded", np.float32, "fixup", marks=pytest.mark.slow),
+                                              pytest.param("mixed", jnp.bfloat16, "fixup", marks=pytest.mark.slow)])
+def test_exact_kda_forward_in_two_passes(gates, dtype, mode):
+    """``anchored_fwd="fixup"`` (the default): the bounded-gate intra-chunk kernel on every chunk, then
+    the exact one on the chunks it flags. "mixed" gates put tiles of −30 per token into two of the
+    three chunks: the first pass's outputs there overflow, so the second pass must replace them; the
+    third chunk keeps the first pass's. ``"fused"``: the exact kernel alone, on every chunk."""
     x = make_inputs(1, gates=gates, dtype=dtype)
     check("kda", x, True, 1e-4 if dtype == np.float32 else 1e-2, target="gpu",
-          tuning=(("anchored_fwd", "fixup"),))
+          tuning=(("anchored_fwd", mode),))
 
 
 @pytest.mark.parametrize("rule,dtype", [("gdn", np.float32), pytest.param("delta", np.float32, marks=pytest.mark.slow),
