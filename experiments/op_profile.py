@@ -38,7 +38,7 @@ KINDS = (
     ("matmul", re.compile(r"gemm|cublas|nvjet|xmma|cutlass|sm\d\d_.*(mma|gmma)|\bdot\b")),
     # Pallas kernels on GPU carry their Python function's name: the delta-rule kernels' (kernels/delta/kernels.py)
     # , the grouped matmul's (lineage_jax/layers/grouped_pallas.py) and the short convolution's (conv_pallas.py)
-    ("pallas", re.compile(r"triton|pallas|mosaic|^(intra_fwd|intra_bwd\w*|state_fwd\w*|state_bwd\w*|output|gmm_\w+|causal_conv_\w+)$")),
+    ("pallas", re.compile(r"triton|pallas|mosaic|^(intra_fwd\w*|intra_bwd\w*|state_fwd\w*|state_bwd\w*|output|gmm_\w+|causal_conv_\w+)$")),
     ("memory", re.compile(r"memcpy|memset")),
     ("fusion", re.compile(r"fusion|transpose|copy|reduce|concatenate|slice|scatter|gather|convert|broadcast|pad")),
 )

@@ -88,3 +88,14 @@ def test_op_profile_sums_device_streams_per_call_by_kind():
     assert {k: round(v["ms_per_call"], 3) for k, v in s["kinds"].items()} == {
         "matmul": 0.3, "attention": 0.15, "fusion": 0.04, "pallas": 0.03}
     assert s["top"][0]["kind"] == "matmul" and s["top"][0]["launches_per_call"] == 0.5
+
+
+def test_op_profile_names_every_delta_kernel_pallas():
+    """Every kernel of ``kernels.delta`` (named after its Python function on GPUs) counts as Pallas."""
+    import inspect
+    from experiments import op_profile
+    from kernels.delta import kernels as kn
+    names = [n for n, f in inspect.getmembers(kn, inspect.isfunction)
+             if f.__module__ == kn.__name__ and n.startswith(("intra_", "state_fwd", "state_bwd"))]
+    assert "intra_fwd_fixup" in names and "intra_bwd_scores" in names
+    assert {n: op_profile.kind_of(n) for n in names} == {n: "pallas" for n in names}

@@ -555,11 +555,12 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     intra = [n for n in got if "intra_fwd" in n]
     solve = [n for n in got if "intra_bwd_solve" in n]
     assert len(scores) == 1 and got[scores[0]] == warps
-    assert len(intra) == 1 and got[intra[0]] == fwd
+    # exact per-channel gates: two forward passes (anchored_fwd="fixup"), at the same warps
+    assert len(intra) == (2 if rule == "kda" else 1) and all(got[n] == fwd for n in intra)
     assert len(solve) == 1 and got[solve[0]] == 2
     assert all(w == 4 for n, w in got.items() if n not in scores + intra + solve)
     assert launches(num_warps_scores=2)[scores[0]] == 2
-    assert launches(num_warps_fwd=8)[intra[0]] == 8
+    assert all(launches(num_warps_fwd=8)[n] == 8 for n in intra)
     assert launches(num_warps_solve=4)[solve[0]] == 4
     assert launches(jnp.float32)[intra[0]] == launches(jnp.float32)[solve[0]] == 4  # f32 tiles spill at 4 already
     with pytest.raises(ValueError, match="num_warps_scores"):
@@ -574,8 +575,8 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
 @pytest.mark.parametrize("policy", ["names", "nothing"])
 def test_remat_runs_each_kernel_once_when_the_residuals_are_saved(policy, fuse, split):
     """Under ``jax.checkpoint`` with the kernels' named residuals saved, the backward pass reruns
-    no forward kernel (2 forward launches with the output fused into the state pass, 3 without; 3
-    backward; a split sequence adds a first state pass to each direction, and its segments' maps are
+    no forward kernel (2 forward launches with the output fused into the state pass, 3 without, and
+    the second intra-chunk pass of exact gates, ``anchored_fwd="fixup"``; 3 backward; a split sequence adds a first state pass to each direction, and its segments' maps are
     a named residual); saving nothing reruns the forward ones (JAX keeps a bare ``pallas_call`` even
     when its outputs are unused: the launches are wrapped so that an unused recomputation is dropped)."""
     x = make_inputs(0)
@@ -587,7 +588,7 @@ def test_remat_runs_each_kernel_once_when_the_residuals_are_saved(policy, fuse, 
         o, _ = kd.chunk_kda(q, k, v, g, beta, target="gpu", interpret=True, fuse_output=fuse, state_split=split)
         return jnp.sum(jnp.sin(o))
     jaxpr = jax.make_jaxpr(jax.value_and_grad(jax.checkpoint(f, policy=pol)))(q).jaxpr
-    fwd, bwd = (2 if fuse else 3) + (split > 1), 3 + (split > 1)
+    fwd, bwd = (2 if fuse else 3) + (split > 1) + 1, 3 + (split > 1)  # + 1: the exact gates' fixup pass
     assert live_pallas_calls(jaxpr) == {"names": fwd + bwd, "nothing": 2 * fwd + bwd}[policy]
 
 
