@@ -1000,7 +1000,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     cfg = Cfg(chunk=C, gate=gate or "none", docs=segment_ids is not None, scale=float(scale),
               mm_dtype=io_dtype if low else F32, mm_prec=None if low else f32_prec,
               solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound,
-              anchor_when_safe=(target == "gpu"), inverse=inverse, qk_arrays=qk_arrays)
+              anchor_when_safe=(target == "gpu"), inverse=inverse, qk_arrays=qk_arrays, transpose=(target == "gpu"))
     if anchored_bwd is None:
         anchored_bwd = "scores"
     if anchored_bwd not in ANCHORED_BWD:

@@ -115,7 +115,7 @@ def intra_fwd(cfg: Cfg, *refs, residuals: bool = True, flag: bool = False):
     if ch.d_end is None:
         d = jnp.ones((K, 1), F32)
     elif cfg.channel:
-        d = row_to_col(ch.d_end)
+        d = row_to_col(ch.d_end, cfg.transpose)
     else:
         d = jnp.broadcast_to(ch.d_end, (K, 1))
     dend_ref[...] = d.astype(dend_ref.dtype)

@@ -83,6 +83,8 @@ class Cfg:
                            # "blocks" (four block merges, matmuls); see unit_lower_inverse_t
     qk_arrays: bool = False  # scalar gates / documents: the state passes read q_in, k_out as [T, K] arrays
                              # (kernels.row_factors), as with per-channel gates
+    transpose: bool = False  # GPU (Triton): [n, 1] <-> [1, n] by a layout transpose; else (Mosaic TPU) by a
+                             # masked sum against the identity (col_to_row)
 
     @property
     def nb(self) -> int:
@@ -158,15 +160,21 @@ def sm(cfg: Cfg, a, b, **kw):
     return dot(a.astype(F32), b.astype(F32), precision=cfg.solve_prec, **kw)
 
 
-def col_to_row(x):
-    """``[n, 1] -> [1, n]`` without a transpose (masked sum against the identity)."""
+def col_to_row(x, transpose=False):
+    """``[n, 1] -> [1, n]``: a transpose (``transpose``: Triton lowers it to a layout conversion) or a
+    masked sum against the identity (lowers everywhere; on Triton a select and a cross-thread
+    reduction)."""
     n = x.shape[0]
+    if transpose:
+        return x.T
     return jnp.sum(jnp.where(iota((n, n), 0) == iota((n, n), 1), x, 0.0), axis=0, keepdims=True)
 
 
-def row_to_col(x):
-    """``[1, n] -> [n, 1]``."""
+def row_to_col(x, transpose=False):
+    """``[1, n] -> [n, 1]`` (as :func:`col_to_row`)."""
     n = x.shape[1]
+    if transpose:
+        return x.T
     return jnp.sum(jnp.where(iota((n, n), 0) == iota((n, n), 1), x, 0.0), axis=1, keepdims=True)
 
 
@@ -195,14 +203,14 @@ def tri_dot(tri, x):
     return (dot(t, x3) + dot(t, x2)) + dot(t, x1)
 
 
-def prefix_sum(x, reverse: bool):
+def prefix_sum(x, reverse: bool, transpose=False):
     """In-tile prefix sums of ``x [16, n]`` along the rows: ``Σ_{s >= i} x_s`` (``reverse``,
     inclusive) or ``Σ_{s < i} x_s`` (forward, exclusive). f32; a triangle matmul for ``n >= 16``,
     a masked row sum for a ``[16, 1]`` column (a dot needs 16 columns on Triton)."""
     r, c = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
     tri = (c >= r) if reverse else (c < r)
     if x.shape[1] == 1:
-        return jnp.sum(jnp.where(tri, col_to_row(x), 0.0), axis=1, keepdims=True)
+        return jnp.sum(jnp.where(tri, col_to_row(x, transpose), 0.0), axis=1, keepdims=True)
     return tri_dot(tri, x)
 
 
@@ -390,9 +398,9 @@ class Chunk:
         if cfg.channel and cfg.gate_bound is not None:
             self._anc = Lazy(self._anchor_factors)  # every diagonal tile anchored: computed once
         if not cfg.channel:
-            self.fR_row = Lazy(lambda J: None if self.fR[J] is None else col_to_row(self.fR[J]))
+            self.fR_row = Lazy(lambda J: None if self.fR[J] is None else col_to_row(self.fR[J], cfg.transpose))
             if cfg.gate == "scalar":
-                self.P_row = [col_to_row(p) for p in self.P]
+                self.P_row = [col_to_row(p, cfg.transpose) for p in self.P]
 
     def anchor_factors(self, I):
         if self.cfg.gate_bound is not None:
@@ -464,7 +472,7 @@ class Chunk:
         for I in range(self.cfg.nb):
             g = load_rows(g_ref, I * SUB, SUB)                                 # [16, 1]
             a = load_rows(g_ref, I * SUB, 1)                                   # [1, 1]
-            g_row = col_to_row(jnp.where(self.r16 == 0, 0.0, g))               # [1, 16]
+            g_row = col_to_row(jnp.where(self.r16 == 0, 0.0, g), self.cfg.transpose)  # [1, 16]
             p = jnp.sum(jnp.where(c <= r, g_row, 0.0), axis=1, keepdims=True)  # [16, 1]
             sp = jnp.sum(g_row, axis=1, keepdims=True)                         # [1, 1] = P_I[15]
             P.append(p)
@@ -478,7 +486,7 @@ class Chunk:
         """``[16, 16]`` same-document mask of diagonal tile ``I`` (or None)."""
         if not self.cfg.docs:
             return None
-        return self.doc[I] == col_to_row(self.doc[I])
+        return self.doc[I] == col_to_row(self.doc[I], self.cfg.transpose)
 
     def diag_mask(self, I, strict: bool):
         r, c = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
