@@ -203,14 +203,14 @@ def tri_dot(tri, x):
     return (dot(t, x3) + dot(t, x2)) + dot(t, x1)
 
 
-def prefix_sum(x, reverse: bool, transpose=False):
+def prefix_sum(x, reverse: bool):
     """In-tile prefix sums of ``x [16, n]`` along the rows: ``Σ_{s >= i} x_s`` (``reverse``,
     inclusive) or ``Σ_{s < i} x_s`` (forward, exclusive). f32; a triangle matmul for ``n >= 16``,
     a masked row sum for a ``[16, 1]`` column (a dot needs 16 columns on Triton)."""
     r, c = iota((SUB, SUB), 0), iota((SUB, SUB), 1)
     tri = (c >= r) if reverse else (c < r)
     if x.shape[1] == 1:
-        return jnp.sum(jnp.where(tri, col_to_row(x, transpose), 0.0), axis=1, keepdims=True)
+        return jnp.sum(jnp.where(tri, col_to_row(x), 0.0), axis=1, keepdims=True)
     return tri_dot(tri, x)
 
 

@@ -335,6 +335,18 @@ def test_block_merge_inverse_on_gpu_flavour():
         run("delta", "kernels", make_inputs(0), True, tuning=(("inverse", "neumann"),))
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_column_row_moves(transpose):
+    """``col_to_row`` / ``row_to_col`` both ways (the masked sum of Mosaic TPU, the transpose of
+    Triton) move every value exactly, infinities and the other entries of a NaN's vector included."""
+    from kernels.delta.tiles import col_to_row, row_to_col
+    x = np.random.default_rng(4).normal(size=(16, 1)).astype(np.float32) * 1e3
+    x[3], x[7], x[11] = np.inf, -np.inf, np.nan
+    row = np.asarray(jax.jit(lambda a: col_to_row(a, transpose))(jnp.asarray(x)))
+    np.testing.assert_array_equal(row, x.T)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: row_to_col(a, transpose))(jnp.asarray(row))), x)
+
+
 @pytest.mark.parametrize("method", ["blocks", "loop"])
 def test_unit_lower_inverse(method):
     """Both ways of the 16×16 unit lower inverse against LAPACK's, to float32 accuracy: random
