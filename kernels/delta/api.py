@@ -41,11 +41,12 @@ kernel, the in-chunk prefix sums after it in XLA (:func:`_gate_grad`) — makes 
 kernel 1.9× DeltaNet's on one H200, about two thirds of the difference between their fwd+bwd
 times: docs/benchmarks.md) and "channel" (KDA: a 16×16 diagonal
 tile is one matmul anchored at its middle row when its gates keep ``|G_i − G_mid| <= 64`` — always
-with ``gate_lower_bound``; on GPUs the exact kernels decide it per tile at run time
-(``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an exact 16-step loop on the tiles whose
-gates are steeper. On one H200 (bf16, B 2, T 8192, H 16, D 128, the benchmark's gates ``>= −0.2``)
-the intra-chunk forward kernel takes 1.32 ms this way against 3.91 ms with the loop on every tile:
-docs/benchmarks.md).
+with ``gate_lower_bound``; with exact gates on GPUs the backward's kernels decide it per tile at
+run time (``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an exact 16-step loop on the tiles
+whose gates are steeper, and the forward runs the bounded-gate kernel on every chunk, then the
+per-tile kernel on the chunks it flags (``ANCHORED_FWD``). On one H200 (bf16, B 2, T 8192, H 16,
+D 128, the benchmark's gates ``>= −0.2``) the exact intra-chunk forward takes 0.68 ms in two passes
+against 0.95 ms for the per-tile kernel alone: docs/benchmarks.md).
 
 Entry points: :func:`chunk_delta_rule`, :func:`chunk_gated_delta_rule`,
 :func:`chunk_kda` — ``[B, T, H, D]`` in, ``(o [B, T, H, V], S [B, H, K, V] f32)``
