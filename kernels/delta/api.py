@@ -88,8 +88,8 @@ TARGETS = ("gpu", "tpu")
 # tiles to compute: it starts from the forward kernel's decayed scores KK (a residual).
 ANCHORED_BWD = ("none", "scores")
 # KDA forward with exact gates on GPUs: "fixup" (default) — the bounded-gate kernel (every tile
-# anchored, none of the 16-step loop's code: ptxas, bf16, 4 warps, 196 B of spill stores per thread
-# against the fused kernel's 348 B; ``triton_compile_check --gate kda --anchored_fwd fixup``) runs on
+# anchored, none of the 16-step loop's code: ptxas, bf16, 4 warps, 224 B of spill stores per thread
+# against the fused kernel's 380 B; ``triton_compile_check --gate kda``) runs on
 # every chunk and flags the chunks holding a tile whose gates span too far to anchor
 # (``tiles.Chunk.span_safe``), then the "fused" kernel runs on those chunks alone, writing over the
 # first pass's outputs (``kernels.intra_fwd_fixup``; its other programs return at once) — or "fused":
