@@ -7,8 +7,9 @@ uses only what lowers everywhere: static ``ref[pl.ds(..)]`` loads and stores,
 fp32 accumulation. There is no cumsum, no transpose, no triangular solve and no
 value slicing: a prefix sum is a loop of row adds (gates) or a matmul with a 0/1
 triangle (their gradient), a transpose is a ``dot_general`` contraction or a masked
-sum against an identity (one exception: the block merges of :func:`unit_lower_inverse_t`
-transpose one 16×16 tile), and the solve is forward substitution on 16×16 diagonal
+sum against an identity (two exceptions: the block merges of :func:`unit_lower_inverse_t`
+transpose one 16×16 tile, and on GPUs ``[16, 1]`` columns become ``[1, 16]`` rows by a
+transpose, ``Cfg.transpose``), and the solve is forward substitution on 16×16 diagonal
 tiles (or block merges) joined by matmuls. The 16-step loops
 are ``lax.fori_loop`` on GPU/CPU (Triton compile time) and Python-unrolled on TPU
 (``Cfg.unroll``).
