@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -830,8 +831,8 @@ def main(argv=None):
             ap.error(f"--ab_modes: unknown mode {m!r} (one of {', '.join(AB_MODES)})")
     if "ab" in args.parts.split(",") and not knobs_b and not args.ab_ref:
         ap.error("--parts ab needs --ab knob=value[,knob=value] (the B side's changed launch knobs) or --ab_ref DIR")
-    if not args.ab_gate_scale > 0:
-        ap.error(f"--ab_gate_scale must be > 0, got {args.ab_gate_scale}")
+    if not (args.ab_gate_scale > 0 and math.isfinite(args.ab_gate_scale)):
+        ap.error(f"--ab_gate_scale must be > 0 and finite, got {args.ab_gate_scale}")
     ref = None
     if args.ab_ref is not None:
         try:

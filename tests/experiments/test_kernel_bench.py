@@ -74,7 +74,7 @@ def test_bad_tuning_flags_are_named(tuning, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("scale", ["0", "-1", "nan"])
+@pytest.mark.parametrize("scale", ["0", "-1", "nan", "inf"])
 def test_bad_ab_gate_scale_is_named(scale, capsys):
     with pytest.raises(SystemExit):
         kb.main(["--parts", "ab", "--ab", "bv=64", "--ab_gate_scale", scale, "--out", "unused"])
