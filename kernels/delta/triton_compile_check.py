@@ -9,8 +9,9 @@ not imported by the package.
     python -m kernels.delta.triton_compile_check --gate kda --docs 1 --dtype bf16 --T 8192
     python -m kernels.delta.triton_compile_check --gate all --dtype bf16,f32 --chunk_size 32,64
 
-``--gate``: ``kda`` (exact per-channel), ``kda_bounded`` (``gate_lower_bound=-5``), ``gdn``
-(scalar gate), ``none`` (DeltaNet) or ``all``; ``--dtype`` and ``--chunk_size`` take
+Each kernel's line gives its registers and spills (``ptxas -v``); ``--sass`` adds its SASS
+instruction count (``nvdisasm``). ``--gate``: ``kda`` (exact per-channel), ``kda_bounded``
+(``gate_lower_bound=-5``), ``gdn`` (scalar gate), ``none`` (DeltaNet) or ``all``; ``--dtype`` and ``--chunk_size`` take
 comma-separated lists (every combination is lowered and compiled).
 """
 
@@ -25,7 +26,7 @@ GATES = ("none", "gdn", "kda", "kda_bounded")
 
 
 def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None, bv=None,
-              anchored_fwd=None):
+              anchored_fwd=None, qk_arrays=None):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering as L
@@ -54,7 +55,8 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
         def f(q, k, v, g, b, S, seg):
             kw = dict(initial_state=S, segment_ids=seg if docs else None, target="gpu", interpret=False,
                       chunk_size=chunk_size, **({} if inverse is None else {"inverse": inverse}),
-                      **({} if bv is None else {"bv": bv}))
+                      **({} if bv is None else {"bv": bv}),
+                      **({} if qk_arrays is None or gate.startswith("kda") else {"qk_arrays": qk_arrays}))
 
             def loss(q, k, v, g, b, S):
                 if gate == "kda":
@@ -100,8 +102,30 @@ def ptxas_usage(kernel) -> str:
             f"spill_st={spill.group(1) if spill else '?'}B spill_ld={spill.group(2) if spill else '?'}B")
 
 
+def sass_count(kernel) -> str:
+    """Machine instructions in a compiled kernel's SASS (Triton's bundled ``nvdisasm`` on its cubin;
+    no GPU needed): the code one thread runs, loops counted once."""
+    import re
+    import subprocess
+
+    from triton.backends.nvidia import compiler as nv
+
+    nvdisasm = os.path.join(os.path.dirname(nv.__file__), "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        out = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, timeout=600).stdout
+    except Exception as e:  # noqa: BLE001
+        return f"nvdisasm: {e}"
+    finally:
+        os.unlink(f.name)
+    # one instruction per "/*addr*/ [@predicate] OPCODE" line
+    n = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_]*", out))
+    return f"sass={n}"
+
+
 def compile_all(outdir, num_warps=4, label="", num_warps_scores=None, num_warps_state=None, num_warps_fwd=None,
-                num_warps_solve=None):
+                num_warps_solve=None, sass=False):
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -131,7 +155,8 @@ def compile_all(outdir, num_warps=4, label="", num_warps_scores=None, num_warps_
                                options={"num_warps": warps, "num_stages": stages})
             dt = time.time() - t
             times[name] = dt
-            print(f"{label}{name:28s} OK   {dt:6.1f} s  shared={k.metadata.shared}  {ptxas_usage(k)}", flush=True)
+            print(f"{label}{name:28s} OK   {dt:6.1f} s  shared={k.metadata.shared}  {ptxas_usage(k)}"
+                  + (f" {sass_count(k)}" if sass else ""), flush=True)
         except Exception as e:  # noqa: BLE001
             ok = False
             print(f"{label}{name:28s} FAIL {time.time() - t:6.1f} s  {str(e)[:800]}", flush=True)
@@ -151,6 +176,9 @@ def main(argv=None):
     ap.add_argument("--inverse", default=None, help="loop | blocks (default: the API's)")
     ap.add_argument("--bv", type=int, default=None, help="the state passes' value block (default: the API's)")
     ap.add_argument("--num_warps_state", type=int, default=None, help="the state passes' warps (default: --num_warps)")
+    ap.add_argument("--qk_arrays", type=int, choices=(0, 1), default=None,
+                    help="none, gdn: the qk_arrays launch knob (default: the API's)")
+    ap.add_argument("--sass", action="store_true", help="also count each kernel's SASS instructions (nvdisasm)")
     ap.add_argument("--keep_cache", action="store_true",
                     help="use Triton's cache (default: a fresh one, so that every compile is timed)")
     args = ap.parse_args(argv)
@@ -172,13 +200,14 @@ def main(argv=None):
                 label = f"[{gate} {dtype} C={chunk or 'default'}{' docs' if args.docs else ''}] "
                 with tempfile.TemporaryDirectory() as d:
                     n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk, args.anchored_bwd,
-                                   args.inverse, args.bv, args.anchored_fwd)
+                                   args.inverse, args.bv, args.anchored_fwd,
+                                   None if args.qk_arrays is None else bool(args.qk_arrays))
                     print(f"{label}{n} kernels lowered", flush=True)
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,
                                               api.default_warps_scores(kind, args.num_warps), args.num_warps_state,
                                               api.default_warps_fwd(kind, args.num_warps, dtype != "f32"),
-                                              api.default_warps_solve(args.num_warps, dtype != "f32"))
+                                              api.default_warps_solve(args.num_warps, dtype != "f32"), args.sass)
                     ok = ok and good
                     summary.append((label, times))
     print("\ncompile seconds per kernel:")
