@@ -44,6 +44,7 @@ Usage (on the device; fla-core installed with ``--target`` from a carried wheel)
     python -m experiments.kernel_bench --rules gdn,kdab --pallas_chunk 64   # a subset, 64-token chunks
     python -m experiments.kernel_bench --methods pallas,fla --fla_cache fla_cache   # fla's autotuning kept
     python -m experiments.kernel_bench --parts ab --ab fuse_output=0 --rules delta,gdn   # a knob, paired
+    python -m experiments.kernel_bench --parts ab --ab chunk_size=64,num_warps_fwd=8 --ab_modes fwd   # C = 64, paired
     python -m experiments.kernel_bench --parts ab --shapes 1,32768 --pallas_tuning state_split=1 \
         --ab state_split=8,bv=128,num_warps_state=8                        # split state passes, paired
     python -m experiments.kernel_bench --parts profile --shapes 2,8192 --methods pallas,fla   # kernel by kernel
@@ -225,7 +226,8 @@ def rule_fn(rule, backend, chunk_size=None, tuning=None, kd=None, **kw):
     if backend == "pallas":
         if kd is None:
             from kernels import delta as kd
-        kw = dict(kw, chunk_size=chunk_size, **(PALLAS_TUNING if tuning is None else tuning))
+        kw = dict(kw, chunk_size=chunk_size)
+        kw.update(PALLAS_TUNING if tuning is None else tuning)  # a chunk_size knob (--ab) overrides
         if rule == "kda":
             return lambda q, k, v, g, gs, beta: kd.chunk_kda(q, k, v, g, beta, **kw)
         if rule == "kdab":
@@ -773,14 +775,14 @@ def parse_tuning(ap, flag, text) -> dict:
             if val not in choices[key]:
                 ap.error(f"{flag}: {key} must be one of {choices[key]}, got {val!r}")
             out[key] = val
-        elif key in ("fuse_output", "qk_arrays"):
+        elif key in ("fuse_output", "qk_arrays", "state_pairs"):
             if val not in ("0", "1"):
                 ap.error(f"{flag}: {key} must be 0 or 1, got {val!r}")
             out[key] = val == "1"
         elif key in ("state_split", "chunks_per_program") and val == "auto":
             out[key] = val
         elif key in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "num_warps_fwd",
-                     "num_warps_solve", "state_split", "chunks_per_program"):
+                     "num_warps_solve", "state_split", "chunks_per_program", "chunk_size"):
             try:
                 out[key] = int(val)
             except ValueError:

@@ -158,6 +158,7 @@ class Spec:
                           # and state_bwd above describe the whole sequence, the passes run on B·P, N / P
     grid_order: str = "bhn"  # launch order of the intra-chunk and output kernels' grid (GRID_ORDERS)
     chunks_per_program: int = 1  # GPU: chunks each program of the backward's intra-chunk kernels loops over (_grouped)
+    state_pairs: bool = False  # GPU: the forward state pass takes two chunks a step (kernels._pair_step)
 
 
 # ---------------------------------------------------------------------------
@@ -453,7 +454,7 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
         fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
         in_specs, out_specs = [fk, fv, fk, fd, st, fk, fc], [fh, fv, st, fv]
         f1 = _tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))
-        body, grid, semantics, scratch = functools.partial(kn.state_fwd_loop, s.cfg, N, out), (s.B, s.H, nv), None, ()
+        body, grid, semantics, scratch = functools.partial(kn.state_fwd_loop, s.cfg, N, out, pairs=s.state_pairs), (s.B, s.H, nv), None, ()
     else:
         ck = _tok_spec(s, C, K, lambda b, h, j, n: (b, n, h, 0))
         cc = _tok_spec(s, C, C, lambda b, h, j, n: (b, n, h, 0))
@@ -959,7 +960,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
              state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto",
-             anchored_fwd="fixup", qk_arrays=False):
+             anchored_fwd="fixup", qk_arrays=False, state_pairs=False):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -1012,6 +1013,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`qk_arrays` must be True or False, got {qk_arrays!r}")
     if not isinstance(fuse_output, bool):
         raise ValueError(f"`fuse_output` must be True or False, got {fuse_output!r}")
+    if not isinstance(state_pairs, bool):
+        raise ValueError(f"`state_pairs` must be True or False, got {state_pairs!r}")
     if state_bwd not in STATE_BWD:
         raise ValueError(f"`state_bwd` must be one of {STATE_BWD}, got {state_bwd!r}")
     if state_split == "auto":
@@ -1059,7 +1062,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              num_warps_solve=(default_warps_solve(num_warps, low) if num_warps_solve is None
                               else int(num_warps_solve)),
              anchored_bwd=anchored_bwd, anchored_fwd=anchored_fwd, fuse_output=fuse_output, state_bwd=state_bwd,
-             state_split=state_split, grid_order=grid_order, chunks_per_program=chunks_per_program)
+             state_split=state_split, grid_order=grid_order, chunks_per_program=chunks_per_program,
+             state_pairs=state_pairs)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)
@@ -1137,6 +1141,9 @@ _DOC = """
       ``q ⊙ E_in`` and ``k ⊙ E_out`` as ``[T, K]`` arrays for the state passes, as per-channel gates
       do, instead of two ``[T, 1]`` row-factor columns (more bytes, fewer instructions per state
       step; slower on one H200: GDN forward 1.26–1.41×, fwd+bwd 1.04–1.07×).
+      ``state_pairs`` (GPU; default False): the forward state pass takes two chunks a step, their
+      ``W`` and ``U`` merged in the loop (half the dependent steps, more matmuls per step; slower on
+      one H200: forward 0.99–1.62×, fwd+bwd 1.10–1.26×).
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """

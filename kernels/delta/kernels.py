@@ -27,7 +27,8 @@ The sequential kernels come in two flavours with one shared step function:
 ``*_loop`` (GPU: one program per ``(b, h, v-block)`` loops over chunks with a
 ``fori_loop`` over refs that hold the whole sequence) and ``*_grid`` (TPU: the
 chunk axis is the last, "arbitrary" grid axis and the state lives in a VMEM
-scratch buffer).
+scratch buffer). ``state_fwd_loop(pairs=True)`` (the ``state_pairs`` launch knob) takes two chunks a
+step (:func:`_pair_step`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .tiles import (
-    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, dot, get_col, get_diag, iota, load_rows, mm, prefix_sum,
+    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, get_col, get_diag, iota, load_rows, mm, prefix_sum,
     row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows, ut_matrix, ut_system,
 )
 
@@ -202,40 +203,140 @@ def _chunk_rows(n, C):
     return pl.ds(n * C if isinstance(n, int) else pl.multiple_of(n * C, C), C)
 
 
-def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs):
+def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs, pairs: bool = False):
     """GPU: one program per ``(b, h, value block)`` carries ``S`` through the chunks (its decay applied a
     step late: :func:`_lagged_decay`). With ``out.o`` each chunk's output block ``O_n = q_in S_n + M Ũ_n``
     is taken here, from the state in registers (the output kernel's work, without writing and
     re-reading ``h``); without ``out.h`` and ``out.ut`` neither per-chunk states nor ``Ũ`` are stored
     (a forward that no backward reads). ``q_in`` and ``k_out`` as :func:`row_factors` says; every
     operand of a step feeds its matmuls (``ein`` scales ``q``'s rows for the output), so Triton
-    pipelines all of their loads."""
-    ins, (h_ref, ut_ref, st_ref, o_ref) = out.split(cfg, refs)
-    w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref, ein_ref, eout_ref = ins
+    pipelines all of their loads. ``pairs``: two chunks a step (:func:`_pair_step`), half the
+    dependent steps; an odd last chunk takes a step of its own."""
+    ins, outs = out.split(cfg, refs)
     C = cfg.chunk
-    cols = row_factors(cfg) == "columns"
+    dend_ref, h0_ref = ins[3], ins[4]
+    st_ref = outs[2]
+    step = 2 if pairs else 1
+    n_steps = n_chunks // step
 
-    def body(n, carry):
+    def body(i, carry):
         S, upd = carry
+        n = i * step
+        if pairs:
+            d = None if not _decays(cfg) else jnp.where(i == 0, 1.0, _d_end(cfg, dend_ref, jnp.maximum(n - 2, 0))
+                                                         * _d_end(cfg, dend_ref, jnp.maximum(n - 1, 0)))
+            return _pair_step(cfg, ins, outs, n, _mul(S, d) + upd)
         S = _mul(S, _lagged_decay(cfg, dend_ref, n_chunks, n - 1, n == 0)) + upd
-        if h_ref is not None:
-            h_ref[n] = S.astype(h_ref.dtype)
-        rows = _chunk_rows(n, C)
-        ut, upd = _fwd_update(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :],
-                              _rows(eout_ref, rows))
-        if ut_ref is not None:
-            ut_ref[rows, :] = ut.astype(ut_ref.dtype)
-        if o_ref is not None:
-            qin = qin_ref[rows, :]
-            if cols:
-                qin = qin.astype(F32) * ein_ref[rows, :]
-            o_ref[rows, :] = _chunk_output(cfg, qin, S, m_ref[rows, :], ut,
-                                           None if cols else _ein(cfg, None, rows)).astype(o_ref.dtype)
-        return S, upd
+        return S, _chunk_step(cfg, ins, outs, n, S)
 
     S0 = h0_ref[...].astype(F32)
-    S, upd = lax.fori_loop(0, n_chunks, body, (S0, jnp.zeros_like(S0)))
-    st_ref[...] = (_mul(S, _d_end(cfg, dend_ref, n_chunks - 1)) + upd).astype(st_ref.dtype)
+    S, upd = lax.fori_loop(0, n_steps, body, (S0, jnp.zeros_like(S0)))
+    last = n_steps * step - 1
+    if pairs and n_steps:
+        S = _mul(S, None if not _decays(cfg) else _d_end(cfg, dend_ref, last - 1) * _d_end(cfg, dend_ref, last))
+    else:
+        S = _mul(S, _d_end(cfg, dend_ref, last)) if n_steps else S
+    S = S + upd
+    if n_steps * step < n_chunks:  # the odd last chunk of pairs
+        upd = _chunk_step(cfg, ins, outs, n_chunks - 1, S)
+        S = _mul(S, _d_end(cfg, dend_ref, n_chunks - 1)) + upd
+    st_ref[...] = S.astype(st_ref.dtype)
+
+
+def _q_rows(cfg: Cfg, qin_ref, ein_ref, rows):
+    """Chunk rows of ``q_in`` (f32 where a row factor scales it) and the factor left to apply to
+    ``q_in S`` (``_ein``: ``cfg.scale`` in the "scale" mode, else None)."""
+    qin = qin_ref[rows, :]
+    if row_factors(cfg) == "columns":
+        return qin.astype(F32) * ein_ref[rows, :], None
+    return qin, _ein(cfg, None, rows)
+
+
+def _chunk_step(cfg: Cfg, ins, outs, n, S):
+    """One chunk ``n`` of :func:`state_fwd_loop` from its state ``S``: stores ``h``, ``Ũ``, ``o`` as
+    ``outs`` asks and returns the state's update ``k_outᵀ Ũ``."""
+    w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref, ein_ref, eout_ref = ins
+    h_ref, ut_ref, _, o_ref = outs
+    rows = _chunk_rows(n, cfg.chunk)
+    if h_ref is not None:
+        h_ref[n] = S.astype(h_ref.dtype)
+    ut, upd = _fwd_update(cfg, S, w_ref[rows, :], u_ref[rows, :].astype(F32), ko_ref[rows, :], _rows(eout_ref, rows))
+    if ut_ref is not None:
+        ut_ref[rows, :] = ut.astype(ut_ref.dtype)
+    if o_ref is not None:
+        qin, ein = _q_rows(cfg, qin_ref, ein_ref, rows)
+        o_ref[rows, :] = _chunk_output(cfg, qin, S, m_ref[rows, :], ut, ein).astype(o_ref.dtype)
+    return upd
+
+
+def _d_row(cfg: Cfg, dend_ref, n):
+    """Chunk ``n``'s decay as a row: ``[1, K]`` for per-channel gates, ``[1, 1]`` otherwise (one number
+    down the column)."""
+    if cfg.channel:
+        return col_to_row(dend_ref[n].astype(F32), cfg.transpose)
+    return dend_ref[n, pl.ds(0, 1), :].astype(F32)
+
+
+def _pair_step(cfg: Cfg, ins, outs, n, S):
+    """Chunks ``a = n`` and ``b = n + 1`` of :func:`state_fwd_loop` from ``a``'s state ``S``, as one
+    chunk of ``2C`` rows: returns ``(S, update)`` with ``S_{n+2} = d_a d_b ⊙ S + update``.
+
+    ``b``'s state is ``S' = d_a ⊙ S + k_outₐᵀ Ũ_a``, so with ``X = W_b k_outₐᵀ`` (``[C, C]``),
+    ``Ũ_b = U_b − W_b S' = (U_b − X U_a) − (W_b ⊙ d_aᵀ − X W_a) S``: the pair's ``W`` and ``U`` are
+    merged (their ``b`` rows rewritten) by products that do not involve ``S``, and ``Ũ`` of both
+    chunks is one ``[2C, K] × [K, bv]`` matmul from ``S`` (64 rows at C = 32: Hopper's wgmma shape).
+    The update is ``(k_out ⊙ f)ᵀ Ũ`` with ``f = d_b`` on ``a``'s rows, and the output
+    ``O = (q_in ⊙ f') S + M₂ Ũ`` with ``f' = d_a`` on ``b``'s rows and ``M₂`` the pair's scores: the
+    chunks' own ``M`` on the diagonal blocks, ``q_in,b k_outₐᵀ`` below. ``S'`` is formed only to be
+    stored (``h``). ``[2C, 2C]`` matrices are written on the whole pair and masked to the block
+    they mean; row factors (the "columns" mode) scale the right-hand operands
+    (``X U_a = (W_b kₐᵀ)(eoutₐ ⊙ U_a)``); scalar decays are ``[1, 1]``."""
+    w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref, ein_ref, eout_ref = ins
+    h_ref, ut_ref, _, o_ref = outs
+    C = cfg.chunk
+    rows = pl.ds(pl.multiple_of(n * C, 2 * C), 2 * C)
+    row_b = iota((2 * C, 1), 0) >= C  # b's rows
+    col_b = iota((1, 2 * C), 1) >= C
+    cross = row_b & jnp.logical_not(col_b)  # [2C, 2C]: b's rows, a's columns
+    w, ko = w_ref[rows, :], ko_ref[rows, :]
+    eo = _rows(eout_ref, rows)
+    mode = row_factors(cfg)
+    fa = fb = None  # d_a on b's rows, d_b on a's rows
+    if _decays(cfg):
+        fa = jnp.where(row_b, _d_row(cfg, dend_ref, n), 1.0)
+        fb = jnp.where(row_b, 1.0, _d_row(cfg, dend_ref, n + 1))
+    # Negated, so that every merge is a matmul plus a term (Triton folds the term into the accumulator)
+    X = jnp.where(cross, mm(cfg, w, ko, tb=True), 0.0)  # W_b kₐᵀ (eoutₐ: on the right-hand operands)
+    nw2 = mm(cfg, X, w if eo is None else w.astype(F32) * eo) + -_mul(w.astype(F32), fa)  # −W₂
+    u = u_ref[rows, :].astype(F32)
+    nu2 = mm(cfg, X, _mul(u, eo)) + -u  # −U₂
+    if h_ref is not None:
+        h_ref[n] = S.astype(h_ref.dtype)
+    ut = mm(cfg, nw2, S) + -nu2  # Ũ of both chunks: U₂ − W₂ S
+    ut_e = _mul(ut, eo)
+    if mode == "arrays":
+        upd = mm(cfg, ko if fb is None else ko.astype(F32) * fb, ut, ta=True)
+    else:  # "columns": d_b rides on eoutₐ; "scale": no factors
+        upd = mm(cfg, ko, _mul(ut_e, fb), ta=True)
+    if h_ref is not None:  # b's state S'
+        h_ref[n + 1] = (_mul(S, None if fa is None else dend_ref[n].astype(F32))
+                        + mm(cfg, jnp.where(row_b, 0.0, ko.astype(F32)), ut_e, ta=True)).astype(h_ref.dtype)
+    if ut_ref is not None:
+        ut_ref[rows, :] = ut.astype(ut_ref.dtype)
+    if o_ref is not None:
+        q = qin_ref[rows, :]
+        if mode == "arrays":  # q_in, with d_a on b's rows
+            qs, rf = (q if fa is None else q.astype(F32) * fa), None
+        else:  # q and its row factor (ein, scale folded in; or the scale), d_a rides on it
+            qs, rf = q, _mul(ein_ref[rows, :] if mode == "columns" else cfg.scale, fa)
+        tile2 = (iota((C, 2 * C), 1) == iota((C, 2 * C), 0)) | (iota((C, 2 * C), 1) == iota((C, 2 * C), 0) + C)
+        M = m_ref[rows, :]
+        Md = jnp.where(row_b == col_b, mm(cfg, M, jnp.where(tile2, 1.0, 0.0).astype(M.dtype)), 0.0)  # the chunks' M
+        ein = None if mode == "arrays" else (ein_ref[rows, :] if mode == "columns" else cfg.scale)
+        Mc = jnp.where(cross, _mul(mm(cfg, q, ko, tb=True), ein), 0.0)  # q_in,b kₐᵀ
+        o = (_mul(mm(cfg, qs, S), rf) + mm(cfg, Md, ut)) + mm(cfg, Mc, ut_e)
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+    return S, upd
 
 
 def state_fwd_grid(cfg: Cfg, out: "StateOut", *refs):

@@ -10,7 +10,9 @@ not imported by the package.
     python -m kernels.delta.triton_compile_check --gate all --dtype bf16,f32 --chunk_size 32,64
 
 Each kernel's line gives its registers and spills (``ptxas -v``); ``--sass`` adds its SASS
-instruction count (``nvdisasm``). ``--gate``: ``kda`` (exact per-channel), ``kda_bounded``
+instruction count (``nvdisasm``). ``--forward_only`` lowers the undifferentiated call (its forward
+kernels without residuals: the state pass takes the output and stores nothing else) instead of
+fwd+bwd; ``--qk_arrays`` and ``--state_pairs`` pass those launch knobs. ``--gate``: ``kda`` (exact per-channel), ``kda_bounded``
 (``gate_lower_bound=-5``), ``gdn`` (scalar gate), ``none`` (DeltaNet) or ``all``; ``--dtype`` and ``--chunk_size`` take
 comma-separated lists (every combination is lowered and compiled).
 """
@@ -26,7 +28,7 @@ GATES = ("none", "gdn", "kda", "kda_bounded")
 
 
 def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None, bv=None,
-              anchored_fwd=None, qk_arrays=None):
+              anchored_fwd=None, qk_arrays=None, state_pairs=None, forward_only=False):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering as L
@@ -56,6 +58,7 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
             kw = dict(initial_state=S, segment_ids=seg if docs else None, target="gpu", interpret=False,
                       chunk_size=chunk_size, **({} if inverse is None else {"inverse": inverse}),
                       **({} if bv is None else {"bv": bv}),
+                      **({} if state_pairs is None else {"state_pairs": state_pairs}),
                       **({} if qk_arrays is None or gate.startswith("kda") else {"qk_arrays": qk_arrays}))
 
             def loss(q, k, v, g, b, S):
@@ -69,6 +72,8 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
                 else:
                     o, s = api.chunk_delta_rule(q, k, v, b, **kw)
                 return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+            if forward_only:  # the undifferentiated call: no residuals, the output fused, no h or Ũ
+                return loss(q, k, v, g, b, S)
             return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))(q, k, v, g, b, S)
 
         jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
@@ -178,6 +183,10 @@ def main(argv=None):
     ap.add_argument("--num_warps_state", type=int, default=None, help="the state passes' warps (default: --num_warps)")
     ap.add_argument("--qk_arrays", type=int, choices=(0, 1), default=None,
                     help="none, gdn: the qk_arrays launch knob (default: the API's)")
+    ap.add_argument("--state_pairs", type=int, choices=(0, 1), default=None,
+                    help="the state_pairs launch knob (default: the API's)")
+    ap.add_argument("--forward_only", action="store_true",
+                    help="lower the undifferentiated call (its forward kernels alone) instead of fwd+bwd")
     ap.add_argument("--sass", action="store_true", help="also count each kernel's SASS instructions (nvdisasm)")
     ap.add_argument("--keep_cache", action="store_true",
                     help="use Triton's cache (default: a fresh one, so that every compile is timed)")
@@ -201,7 +210,8 @@ def main(argv=None):
                 with tempfile.TemporaryDirectory() as d:
                     n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk, args.anchored_bwd,
                                    args.inverse, args.bv, args.anchored_fwd,
-                                   None if args.qk_arrays is None else bool(args.qk_arrays))
+                                   None if args.qk_arrays is None else bool(args.qk_arrays),
+                                   None if args.state_pairs is None else bool(args.state_pairs), args.forward_only)
                     print(f"{label}{n} kernels lowered", flush=True)
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,

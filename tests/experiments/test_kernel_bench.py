@@ -65,6 +65,8 @@ def test_fwdbwd_call_differentiates_the_rules_inputs_only(tiny, rule):
 @pytest.mark.parametrize("tuning, message", [("anchored_bwd=all", "anchored_bwd must be one of"),
                                              ("anchored_fwd=both", "anchored_fwd must be one of"),
                                              ("qk_arrays=yes", "qk_arrays must be 0 or 1"),
+                                             ("state_pairs=2", "state_pairs must be 0 or 1"),
+                                             ("chunk_size=x", "chunk_size must be an integer"),
                                              ("bv=x", "bv must be an integer"), ("bv", "knob=value"),
                                              ("warps=8", "unknown knob"),
                                              ("state_split=half", "state_split must be an integer")])
@@ -168,3 +170,21 @@ def test_bench_times_steady_state_and_synchronized_calls(tiny, monkeypatch):
     assert all(r["ms"] > 0 and r["ms_sync"] > 0 for r in rows)
     table = kb.summarize(res)
     assert "synchronized calls" in table and "| (1, 64) | delta | fwd |" in table
+
+
+def test_ab_knobs_may_set_the_chunk_size(monkeypatch):
+    """``--ab chunk_size=64,...`` pairs 64-token chunks against the default: a ``chunk_size`` knob
+    overrides ``--pallas_chunk`` in the call the rule's function makes."""
+    import argparse
+
+    knobs = kb.parse_tuning(argparse.ArgumentParser(), "--ab", "chunk_size=64,num_warps_fwd=8,state_pairs=1")
+    assert knobs == {"chunk_size": 64, "num_warps_fwd": 8, "state_pairs": True}
+    seen = {}
+
+    class FakeKernels:
+        @staticmethod
+        def chunk_delta_rule(q, k, v, beta, **kw):
+            seen.update(kw)
+
+    kb.rule_fn("delta", "pallas", chunk_size=32, tuning=knobs, kd=FakeKernels)(1, 2, 3, None, None, 4)
+    assert seen["chunk_size"] == 64 and seen["state_pairs"] is True

@@ -424,6 +424,35 @@ def test_qk_arrays(rule, dtype):
         assert kn.row_factors(kd._debug_spec(*a)[0].cfg) == "columns"
 
 
+@pytest.mark.parametrize("rule,T_,dtype", [("gdn", 75, np.float32), ("kda", 64, np.float32),
+                                           pytest.param("delta", 64, np.float32, marks=pytest.mark.slow),
+                                           pytest.param("kda_bounded", 75, np.float32, marks=pytest.mark.slow),
+                                           pytest.param("gdn", 64, jnp.bfloat16, marks=pytest.mark.slow)])
+def test_state_pairs(rule, T_, dtype):
+    """``state_pairs=True``: the forward state pass takes two chunks a step (``kernels._pair_step``:
+    the pair's ``W`` and ``U`` merged, ``Ũ`` of both from one matmul). T = 75: a pair and an odd last
+    chunk; T = 64: one pair. The training forward (``h`` of both chunks stored for the backward) and
+    every gradient, and the forward alone (output fused, nothing stored), against the reference,
+    with resets mid-tile and on the chunks' edge."""
+    x = {n: (a if n in ("S0", "w_s") else a[:, :T_]) for n, a in make_inputs(12, dtype=dtype).items()}
+    tol = 1e-4 if dtype == np.float32 else 1e-2
+    check(rule, x, True, tol, target="gpu", tuning=(("state_pairs", True),))
+    q, k, v, beta, S0, seg = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta", "S0", "seg"))
+    g = {"kda": jnp.asarray(x["g"]), "kda_bounded": jnp.asarray(x["g"]), "gdn": jnp.asarray(x["gs"])}.get(rule)
+    kw = dict(initial_state=S0, segment_ids=seg, target="gpu", interpret=_interpret("gpu"), state_pairs=True)
+    if rule == "delta":
+        o1, s1 = kd.chunk_delta_rule(q, k, v, beta, **kw)
+    elif rule == "gdn":
+        o1, s1 = kd.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    else:
+        o1, s1 = kd.chunk_kda(q, k, v, g, beta, **kw, **({"gate_lower_bound": BOUND} if rule == "kda_bounded" else {}))
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    o0, s0 = kref.recurrent(f32(q), f32(k), f32(v), f32(beta), g, initial_state=S0, segment_ids=seg)
+    assert rel_err(o1, o0) <= tol and rel_err(s1, s0) <= tol, (rel_err(o1, o0), rel_err(s1, s0))
+    with pytest.raises(ValueError, match="state_pairs"):
+        kd.chunk_delta_rule(q, k, v, beta, target="gpu", interpret=True, state_pairs="yes")
+
+
 @pytest.mark.parametrize("bv,stages", [(16, 1), (32, None)])
 def test_value_blocks_narrower_than_the_value_dim(bv, stages):
     """The sequential state passes split V into ``bv``-wide blocks, one program each (GPU default:
