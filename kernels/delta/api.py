@@ -24,7 +24,9 @@ to 1.009: docs/benchmarks.md). The forward stays on Triton because
 the Triton pass takes the output too (``Spec.fuse_output``), which the Mosaic GPU pass does not.
 If the Triton lowering is removed, the state passes keep running on Mosaic GPU; the intra-chunk
 kernels would need the same port. GPU chunks are 32 tokens (two 16-row tiles): Triton's compile
-time grows steeply with the unrolled tile pairs (see :func:`default_chunk`). Measured against fla's
+time grows steeply with the unrolled tile pairs (see :func:`default_chunk`), and at 64 tokens the
+state passes take about half their time but the forward's intra-chunk kernel 5–7× its own (one
+H200, DeltaNet and GDN; docs/benchmarks.md, "What limits them"). Measured against fla's
 Triton kernels in the same process: docs/benchmarks.md.
 
 TPU: Mosaic. Tensors go head-major ``[B, H, T, D]`` so every block's last two
@@ -800,7 +802,8 @@ def _pad_dim(n, target):
 def default_chunk(target: str) -> int:
     """Tokens per chunk. GPU: 32 — two 16-row tiles keep the Triton kernels small (compile
     time grows steeply with the unrolled tile pairs: ~9 s at 32 vs ~45 s at 64 per config)
-    and registers in range; TPU: 64 (MXU-sized tiles, Mosaic compiles the unrolled code)."""
+    and registers in range; whole forwards at 64 took 2.3–3.4× on one H200 (docs/benchmarks.md);
+    TPU: 64 (MXU-sized tiles, Mosaic compiles the unrolled code)."""
     return 64 if target == "tpu" else 32
 
 

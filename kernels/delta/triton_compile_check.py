@@ -181,6 +181,8 @@ def main(argv=None):
     ap.add_argument("--inverse", default=None, help="loop | blocks (default: the API's)")
     ap.add_argument("--bv", type=int, default=None, help="the state passes' value block (default: the API's)")
     ap.add_argument("--num_warps_state", type=int, default=None, help="the state passes' warps (default: --num_warps)")
+    ap.add_argument("--num_warps_fwd", type=int, default=None,
+                    help="the forward intra-chunk kernel's warps (default: the API's, api.default_warps_fwd)")
     ap.add_argument("--qk_arrays", type=int, choices=(0, 1), default=None,
                     help="none, gdn: the qk_arrays launch knob (default: the API's)")
     ap.add_argument("--state_pairs", type=int, choices=(0, 1), default=None,
@@ -216,7 +218,8 @@ def main(argv=None):
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,
                                               api.default_warps_scores(kind, args.num_warps), args.num_warps_state,
-                                              api.default_warps_fwd(kind, args.num_warps, dtype != "f32"),
+                                              args.num_warps_fwd or api.default_warps_fwd(kind, args.num_warps,
+                                                                                          dtype != "f32"),
                                               api.default_warps_solve(args.num_warps, dtype != "f32"), args.sass)
                     ok = ok and good
                     summary.append((label, times))
