@@ -1018,6 +1018,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`fuse_output` must be True or False, got {fuse_output!r}")
     if not isinstance(state_pairs, bool):
         raise ValueError(f"`state_pairs` must be True or False, got {state_pairs!r}")
+    if state_pairs and target != "gpu":
+        raise ValueError(f"`state_pairs=True` is a GPU state-loop form; `target` is {target!r}")
     if state_bwd not in STATE_BWD:
         raise ValueError(f"`state_bwd` must be one of {STATE_BWD}, got {state_bwd!r}")
     if state_split == "auto":

@@ -451,6 +451,8 @@ def test_state_pairs(rule, T_, dtype):
     assert rel_err(o1, o0) <= tol and rel_err(s1, s0) <= tol, (rel_err(o1, o0), rel_err(s1, s0))
     with pytest.raises(ValueError, match="state_pairs"):
         kd.chunk_delta_rule(q, k, v, beta, target="gpu", interpret=True, state_pairs="yes")
+    with pytest.raises(ValueError, match="state_pairs"):
+        kd.chunk_delta_rule(q, k, v, beta, target="tpu", interpret=True, state_pairs=True)
 
 
 @pytest.mark.parametrize("bv,stages", [(16, 1), (32, None)])
