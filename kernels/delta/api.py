@@ -456,7 +456,8 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
         fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
         in_specs, out_specs = [fk, fv, fk, fd, st, fk, fc], [fh, fv, st, fv]
         f1 = _tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))
-        body, grid, semantics, scratch = functools.partial(kn.state_fwd_loop, s.cfg, N, out, pairs=s.state_pairs), (s.B, s.H, nv), None, ()
+        body = functools.partial(kn.state_fwd_loop, s.cfg, N, out, pairs=s.state_pairs)
+        grid, semantics, scratch = (s.B, s.H, nv), None, ()
     else:
         ck = _tok_spec(s, C, K, lambda b, h, j, n: (b, n, h, 0))
         cc = _tok_spec(s, C, C, lambda b, h, j, n: (b, n, h, 0))

@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .tiles import (
-    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, get_col, get_diag, iota, load_rows, mm, prefix_sum,
-    row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows, ut_matrix, ut_system,
+    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, get_col, get_diag, iota, load_rows, mm,
+    prefix_sum, row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows, ut_matrix, ut_system,
 )
 
 
@@ -305,7 +305,8 @@ def _pair_step(cfg: Cfg, ins, outs, n, S):
     if _decays(cfg):
         fa = jnp.where(row_b, _d_row(cfg, dend_ref, n), 1.0)
         fb = jnp.where(row_b, 1.0, _d_row(cfg, dend_ref, n + 1))
-    # Negated, so that every merge is a matmul plus a term (Triton folds the term into the accumulator)
+    # −W₂, −U₂ and Ũ each as a matmul plus a term: a form a compiler may fold into the matmul's
+    # accumulator (Triton 3.6 does not: the TTGIR keeps zero accumulators and separate adds)
     X = jnp.where(cross, mm(cfg, w, ko, tb=True), 0.0)  # W_b kₐᵀ (eoutₐ: on the right-hand operands)
     nw2 = mm(cfg, X, w if eo is None else w.astype(F32) * eo) + -_mul(w.astype(F32), fa)  # −W₂
     u = u_ref[rows, :].astype(F32)

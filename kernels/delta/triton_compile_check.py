@@ -3,7 +3,7 @@
 Triton compile failures and compile-time blowups show up here, before any GPU run. This
 lowers each Pallas kernel to Triton IR (``jax.export`` for ``cuda``, capturing the module
 that Pallas hands to XLA) and compiles it with the ``triton`` package for sm_90, printing
-the compile time per kernel. Needs ``pip install triton==3.6.0`` (the device's version);
+the compile time per kernel. Needs ``pip install triton==3.6.0`` (the version of the GPU measurements);
 not imported by the package.
 
     python -m kernels.delta.triton_compile_check --gate kda --docs 1 --dtype bf16 --T 8192
@@ -12,8 +12,9 @@ not imported by the package.
 Each kernel's line gives its registers and spills (``ptxas -v``); ``--sass`` adds its SASS
 instruction count (``nvdisasm``). ``--forward_only`` lowers the undifferentiated call (its forward
 kernels without residuals: the state pass takes the output and stores nothing else) instead of
-fwd+bwd; ``--qk_arrays`` and ``--state_pairs`` pass those launch knobs. ``--gate``: ``kda`` (exact per-channel), ``kda_bounded``
-(``gate_lower_bound=-5``), ``gdn`` (scalar gate), ``none`` (DeltaNet) or ``all``; ``--dtype`` and ``--chunk_size`` take
+fwd+bwd; ``--qk_arrays``, ``--state_pairs`` and ``--num_warps_fwd`` pass those launch knobs.
+``--gate``: ``kda`` (exact per-channel), ``kda_bounded`` (``gate_lower_bound=-5``), ``gdn`` (scalar
+gate), ``none`` (DeltaNet) or ``all``; ``--dtype`` and ``--chunk_size`` take
 comma-separated lists (every combination is lowered and compiled).
 """
 
