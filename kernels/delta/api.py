@@ -13,8 +13,8 @@ share a body with the TPU kernels; the intra-chunk kernels stay on Triton until 
 The state passes, the latency-bound loops where wgmma and TMA should pay most, exist on both
 lowerings (same arguments and results); on few long sequences they run split into segments
 (``state_split``: "Split sequences" below). Timed alone on one H200 (bf16, H 16, D 128, ms, Mosaic GPU
-/ Triton): forward 0.43 / 0.54 at (2, 8192) and 0.29 / 0.32 at (8, 2048); backward 0.55 / 0.59 and
-0.38 / 0.36 — differences within the run-to-run spread of single kernels (±20%). Inside the whole
+/ Triton, the training forward's passes; docs/benchmarks.md, "Mosaic GPU state passes"): forward
+0.295 / 0.257 at (2, 8192) and 0.175 / 0.308 at (8, 2048); backward 0.390 / 0.370 at (2, 8192). Inside the whole
 fwd+bwd the Mosaic GPU backward pass was faster at (8, 2048) (256 programs: DeltaNet 2.58 against
 2.74 ms, GDN 3.44 / 3.60, KDA 4.34 / 4.56) and slower at (2, 8192) (64 programs: 3.21 / 2.87,
 3.86 / 3.63, 4.68 / 4.55), so on Hopper GPUs it is the default from ``MOSAIC_BWD_PROGRAMS`` = 128

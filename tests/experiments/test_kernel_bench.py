@@ -188,3 +188,25 @@ def test_ab_knobs_may_set_the_chunk_size(monkeypatch):
 
     kb.rule_fn("delta", "pallas", chunk_size=32, tuning=knobs, kd=FakeKernels)(1, 2, 3, None, None, 4)
     assert seen["chunk_size"] == 64 and seen["state_pairs"] is True
+
+
+def test_mosaic_part_times_the_triton_backward_pass(monkeypatch):
+    """``--parts mosaic``: the Triton column's backward is the Triton pass at every shape, not the
+    default lowering (``state_bwd="auto"`` picks the Mosaic GPU pass at 128 programs or more)."""
+    import jax.numpy as jnp
+
+    from kernels.delta import api
+    from kernels.delta import mosaic_gpu as mg
+
+    seen = []
+    out = lambda *a, **k: (jnp.ones(3), jnp.ones(3), jnp.ones(3))  # noqa: E731
+    monkeypatch.setattr(mg, "state_fwd", out)
+    monkeypatch.setattr(mg, "state_bwd", out)
+    monkeypatch.setattr(api, "_state_fwd", lambda s, *a, **k: out())
+    monkeypatch.setattr(api, "_state_bwd", lambda s, *a, **k: (seen.append(s.state_bwd), out())[1])
+    monkeypatch.setattr(kb, "time_jax", lambda f, *a, **k: 1.0)
+    monkeypatch.setattr(api, "default_state_bwd", lambda *a, **k: "mosaic")  # as on a Hopper GPU at 256 programs
+    results = {}
+    kb.part_mosaic(results, [(8, 2048)], reps=1)
+    assert seen == ["triton"], (seen, results)
+    assert results["mosaic"]["8x2048"]["bwd_rel_diff"] == [0.0, 0.0, 0.0]
