@@ -222,7 +222,7 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs, pairs: bool 
     def body(i, carry):
         S, upd = carry
         n = i * step
-        if pairs:
+        if pairs:  # the previous pair's two decays (_lagged_decay's, as one factor)
             d = None if not _decays(cfg) else jnp.where(i == 0, 1.0, _d_end(cfg, dend_ref, jnp.maximum(n - 2, 0))
                                                          * _d_end(cfg, dend_ref, jnp.maximum(n - 1, 0)))
             return _pair_step(cfg, ins, outs, n, _mul(S, d) + upd)
@@ -329,12 +329,11 @@ def _pair_step(cfg: Cfg, ins, outs, n, S):
         if mode == "arrays":  # q_in, with d_a on b's rows
             qs, rf = (q if fa is None else q.astype(F32) * fa), None
         else:  # q and its row factor (ein, scale folded in; or the scale), d_a rides on it
-            qs, rf = q, _mul(ein_ref[rows, :] if mode == "columns" else cfg.scale, fa)
+            qs, rf = q, _mul(_ein(cfg, ein_ref, rows), fa)
         tile2 = (iota((C, 2 * C), 1) == iota((C, 2 * C), 0)) | (iota((C, 2 * C), 1) == iota((C, 2 * C), 0) + C)
         M = m_ref[rows, :]
         Md = jnp.where(row_b == col_b, mm(cfg, M, jnp.where(tile2, 1.0, 0.0).astype(M.dtype)), 0.0)  # the chunks' M
-        ein = None if mode == "arrays" else (ein_ref[rows, :] if mode == "columns" else cfg.scale)
-        Mc = jnp.where(cross, _mul(mm(cfg, q, ko, tb=True), ein), 0.0)  # q_in,b kₐᵀ
+        Mc = jnp.where(cross, _mul(mm(cfg, q, ko, tb=True), _ein(cfg, ein_ref, rows)), 0.0)  # q_in,b kₐᵀ
         o = (_mul(mm(cfg, qs, S), rf) + mm(cfg, Md, ut)) + mm(cfg, Mc, ut_e)
         o_ref[rows, :] = o.astype(o_ref.dtype)
     return S, upd
