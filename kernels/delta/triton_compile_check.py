@@ -182,7 +182,7 @@ def main(argv=None):
     ap.add_argument("--inverse", default=None, help="loop | blocks (default: the API's)")
     ap.add_argument("--bv", type=int, default=None, help="the state passes' value block (default: the API's)")
     ap.add_argument("--num_warps_state", type=int, default=None, help="the state passes' warps (default: --num_warps)")
-    ap.add_argument("--num_warps_fwd", type=int, default=None,
+    ap.add_argument("--num_warps_fwd", type=int, default=None, choices=(1, 2, 4, 8, 16),
                     help="the forward intra-chunk kernel's warps (default: the API's, api.default_warps_fwd)")
     ap.add_argument("--qk_arrays", type=int, choices=(0, 1), default=None,
                     help="none, gdn: the qk_arrays launch knob (default: the API's)")
