@@ -70,7 +70,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from . import kernels as kn
-from .tiles import BF16X6, F32, INVERSES, Cfg
+from .tiles import BF16X6, F32, INTRAS, INVERSES, Cfg
 
 try:  # both exist in jax 0.10 / 0.11
     from jax.experimental.pallas import triton as pltriton
@@ -393,7 +393,8 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
                      out_shape=out_shape, semantics=par, warps=s.num_warps_fwd,
                      aliases={n_in + i: i for i in range(len(out_shape))})(*args, unsafe, *first)
     else:
-        outs = _call(s, functools.partial(kn.intra_fwd, s.cfg, residuals=residuals), grid=(s.B, s.H, s.N),
+        body = kn.intra_fwd_whole if s.cfg.intra == "whole" else kn.intra_fwd
+        outs = _call(s, functools.partial(body, s.cfg, residuals=residuals), grid=(s.B, s.H, s.N),
                      in_specs=specs, out_specs=out_specs, out_shape=out_shape, semantics=par,
                      warps=s.num_warps_fwd)(*args)
     res = iter(outs)
@@ -683,12 +684,14 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
     if doc is not None:
         sargs.append(doc)
         sspecs.append(_tok_spec(s, C, 1, lambda b, h_, n: (b, n, 0, 0)))
+    whole = s.cfg.intra == "whole"
     dv, dbp, dkk, dru = _call(
-        s, functools.partial(kn.intra_bwd_solve, s.cfg), grid=grid, in_specs=sspecs + [tc, tv, tv],
+        s, functools.partial(kn.intra_bwd_solve_whole if whole else kn.intra_bwd_solve, s.cfg), grid=grid,
+        in_specs=sspecs + [tc, tv, tv],
         out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, s.cfg.mm_dtype)],
         semantics=par, group=True, warps=s.num_warps_solve)(*sargs, KK, ut, dut)
     dq, dk, dbeta, *dg = _call(
-        s, functools.partial(kn.intra_bwd_scores, cfg), grid=grid,
+        s, functools.partial(kn.intra_bwd_scores_whole if whole else kn.intra_bwd_scores, cfg), grid=grid,
         in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par, group=True,
         warps=s.num_warps_scores,
     )(*args, ut, do, h, dh, dkk, dru, dbp)
@@ -898,6 +901,17 @@ def default_inverse(target: str, gate: str, low: bool) -> str:
     return "blocks" if (target == "gpu" and low and gate in ("none", "scalar")) else "loop"
 
 
+def default_intra(target: str, gate: str, low: bool) -> str:
+    """The intra-chunk kernels' form (``intra="auto"``): ``"whole"`` (:func:`kernels.delta.kernels.intra_fwd_whole`
+    and the backward's ``*_whole`` kernels: one ``[C, C]`` or ``[C, D]`` matmul per product) on GPUs for 16-bit
+    DeltaNet and Gated DeltaNet, ``"tiles"`` (16-row tile pairs) otherwise. Paired on one H200 (bf16, H 16,
+    D 128, ``kernel_bench --parts ab --ab intra=whole``), whole / tiles: fwd+bwd 0.925 (DeltaNet) and 0.891
+    (GDN) at (2, 8192), 0.928 and 0.886 at (8, 2048); forward 0.97–0.99. With f32 inputs the whole backward
+    scores kernel does not fit (ptxas, sm_90a: 60 KB of spills per thread against the tiles' 3.7–6.0 KB);
+    per-channel gates (KDA) need the tiles' anchored or looped diagonal tiles."""
+    return "whole" if (target == "gpu" and low and gate in ("none", "scalar")) else "tiles"
+
+
 def default_warps_fwd(gate: str, num_warps: int, low: bool = True) -> int:
     """GPU: warps of the forward's intra-chunk kernel (scores, the UT solve, ``W``, ``U``). With 16-bit
     inputs (``low``) and without per-channel gates it runs with 2. Paired on one H200 (bf16, H 16,
@@ -964,7 +978,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
              state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto",
-             anchored_fwd="fixup", qk_arrays=False, state_pairs=False):
+             anchored_fwd="fixup", qk_arrays=False, state_pairs=False, intra="auto"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -979,6 +993,12 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         target = default_target()
     if target not in TARGETS:
         raise ValueError(f"`target` must be one of {TARGETS}, got {target!r}")
+    if intra != "auto" and intra not in INTRAS:
+        raise ValueError(f"`intra` must be 'auto' or one of {INTRAS}, got {intra!r}")
+    if intra == "whole" and gate == "channel":
+        raise ValueError("`intra='whole'` takes scalar or no gates; per-channel gates (KDA) need 'tiles'")
+    if intra == "whole" and target == "tpu":
+        raise ValueError("`intra='whole'` is a GPU kernel form; `target='tpu'` needs 'tiles'")
     if chunk_size is None:
         chunk_size = default_chunk(target)
     check_chunk_size(chunk_size)
@@ -1003,10 +1023,13 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         solve_prec = lax.Precision.DEFAULT if low else f32_prec  # DEFAULT = tf32 on Triton
     if inverse == "auto":
         inverse = default_inverse(target, gate or "none", low)
+    if intra == "auto":
+        intra = default_intra(target, gate or "none", low)
     cfg = Cfg(chunk=C, gate=gate or "none", docs=segment_ids is not None, scale=float(scale),
               mm_dtype=io_dtype if low else F32, mm_prec=None if low else f32_prec,
               solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound,
-              anchor_when_safe=(target == "gpu"), inverse=inverse, qk_arrays=qk_arrays, transpose=(target == "gpu"))
+              anchor_when_safe=(target == "gpu"), inverse=inverse, qk_arrays=qk_arrays, transpose=(target == "gpu"),
+              intra=intra)
     if anchored_bwd is None:
         anchored_bwd = "scores"
     if anchored_bwd not in ANCHORED_BWD:
@@ -1116,7 +1139,7 @@ def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
     None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
     ``gate_lower_bound``, ``chunk_size`` and the launch knobs (``bv``, ``num_warps``,
     ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``, ``num_warps_solve``,
-    ``anchored_bwd``, ``anchored_fwd``)."""
+    ``anchored_bwd``, ``anchored_fwd``, ``intra``)."""
     if gate is None and g is not None:
         gate = "channel" if g.ndim == 4 else "scalar"
     tuning.setdefault("chunk_size", None)
@@ -1150,6 +1173,9 @@ _DOC = """
       ``state_pairs`` (GPU; default False): the forward state pass takes two chunks a step, their
       ``W`` and ``U`` merged in the loop (half the dependent steps, more matmuls per step; slower on
       one H200: forward 0.99–1.62×, fwd+bwd 1.10–1.26×).
+      ``intra`` (``"auto"``, ``"tiles"`` or ``"whole"``): the intra-chunk kernels' form — 16-row tile pairs,
+      or (GPU, scalar or no gates) one ``[C, C]`` / ``[C, D]`` matmul per product; ``"auto"``:
+      :func:`default_intra`.
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """

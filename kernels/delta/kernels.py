@@ -40,8 +40,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .tiles import (
-    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, get_col, get_diag, iota, load_rows, mm,
-    prefix_sum, row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows, ut_matrix, ut_system,
+    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, get_col, get_diag, inverse_prec, iota,
+    load_rows, mm, prefix_sum, row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows,
+    unit_lower_inverse_t, ut_matrix, ut_system,
 )
 
 
@@ -119,6 +120,99 @@ def intra_fwd(cfg: Cfg, *refs, residuals: bool = True, flag: bool = False):
         d = row_to_col(ch.d_end, cfg.transpose)
     else:
         d = jnp.broadcast_to(ch.d_end, (K, 1))
+    dend_ref[...] = d.astype(dend_ref.dtype)
+
+
+def _whole_gates(cfg: Cfg, r, C: int):
+    """Scalar or no gates, whole chunk (:func:`intra_fwd_whole`, :func:`intra_bwd_scores_whole`):
+    ``(Γ, E_in, E_out, d_end)`` — ``Γ [C, C]`` the decays on the causal (diagonal included),
+    same-document entries, 0 elsewhere; ``E_in, E_out [C, 1]`` and ``d_end [1, 1]`` (None: ones).
+
+    The exponents are formed as :class:`~kernels.delta.tiles.Chunk` forms them per 16-row tile, so that a
+    huge gate costs the same precision as there: with ``P_i`` the gates' sum over row ``i``'s tile after
+    its first (anchor) row up to ``i``, ``Γ_ij = exp(P_i − P_j)`` within a tile, and across tiles the
+    exponent is the sum of non-positive parts ``(P_i + g_{a_I}) + Σ_{J<L<I} tot_L + (span_J − P_j)`` (no
+    difference of two long prefix sums); ``E_in = e^{Σ_{t <= i} g_t}``, ``E_out = e^{Σ_{t > i} g_t}``,
+    ``d_end = e^{Σ g}``. The ``exp`` sees only the causal, same-document entries. Documents zero ``E_in``
+    after the chunk's first reset, ``E_out`` before its last and ``d_end`` where the chunk holds a reset."""
+    ri, ci = iota((C, C), 0), iota((C, C), 1)
+    causal = ri >= ci
+    sees = last = sees_last = None
+    if cfg.docs:
+        doc = r["doc"][...].astype(F32)                                      # [C, 1]: document index in the chunk
+        causal = causal & (doc == col_to_row(doc, cfg.transpose))
+        doc_last = load_rows(r["doc"], C - 1, 1)                             # [1, 1]
+        sees = (doc == 0.0).astype(F32)
+        last = (doc == doc_last).astype(F32)
+        sees_last = (doc_last == 0.0).astype(F32)
+    if not cfg.gated:
+        return jnp.where(causal, 1.0, 0.0), sees, last, sees_last
+    sh = SUB.bit_length() - 1
+    t, tc = lax.shift_right_logical(ri, sh), lax.shift_right_logical(ci, sh)  # tiles of the row, the column
+    same, anchor = t == tc, (ci & (SUB - 1)) == 0
+    g_row = col_to_row(r["g"][...].astype(F32), cfg.transpose)               # [1, C]
+
+    def rows(mask):  # [C, 1]: Σ over the columns where mask holds
+        return jnp.sum(jnp.where(mask, g_row, 0.0), axis=1, keepdims=True)
+
+    P = rows(same & (ci <= ri) & ~anchor)
+    span = rows(same & ~anchor)
+    ga = rows(same & anchor)
+    expo = (P + ga) + col_to_row(span - P, cfg.transpose)                     # across tiles
+    for L in range(1, C // SUB - 1):  # whole tiles between the row's and the column's
+        tot = jnp.sum(jnp.where(tc == L, g_row, 0.0), axis=1, keepdims=True)  # [1, 1]
+        expo = expo + jnp.where((t > L) & (tc < L), tot, 0.0)
+    expo = jnp.where(same, P - col_to_row(P, cfg.transpose), expo)
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, expo, 0.0)), 0.0)
+    ein = _mul(jnp.exp(rows(ci <= ri)), sees)
+    eout = _mul(jnp.exp(rows(ci > ri)), last)
+    return decay, ein, eout, _mul(jnp.exp(jnp.sum(g_row, axis=1, keepdims=True)), sees_last)
+
+
+def _whole_in(cfg: Cfg, ref):
+    """A whole ``[C, D]`` block as the bulk matmuls take it (16-bit as stored, else f32)."""
+    x = ref[...]
+    return x if cfg.mm_dtype != F32 else x.astype(F32)
+
+
+def intra_fwd_whole(cfg: Cfg, *refs, residuals: bool = True):
+    """:func:`intra_fwd` without per-channel gates (DeltaNet, GDN), on whole-chunk operands (``intra="whole"``):
+    each product is one ``[C, C]`` or ``[C, D]`` matmul instead of 16-row tile pairs, and ``(I + A)⁻¹`` is
+    inverted whole by recursive doubling (``unit_lower_inverse_t``, "blocks"). Same outputs, except that
+    ``KK`` carries the whole transposed inverse ``(I + A)⁻ᵀ`` on and above its diagonal (its diagonal
+    16×16 blocks are the tile inverses :func:`intra_fwd` stores there; :func:`intra_bwd_solve_whole` reads
+    all of it). Gates: :func:`_whole_gates`."""
+    assert not cfg.channel, "intra_fwd_whole: scalar or no gates"
+    r, outs = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
+    w_ref, u_ref, m_ref, *outs = outs
+    rows = row_factors(cfg)
+    qin_ref, kout_ref = (None, None) if rows == "scale" else (outs.pop(0), outs.pop(0))
+    dend_ref, *kk = outs
+    C = cfg.chunk
+    ri, ci = iota((C, C), 0), iota((C, C), 1)
+    q, k, v = _whole_in(cfg, r["q"]), _whole_in(cfg, r["k"]), _whole_in(cfg, r["v"])
+    beta = r["beta"][...].astype(F32)                                        # [C, 1]
+    decay, ein, eout, d_end = _whole_gates(cfg, r, C)
+    # 16-bit inputs: k kᵀ from the stored values with f32 accumulation is the solve's tf32 product exactly
+    KK = jnp.where(ri > ci, dot(k, k, tb=True, precision=cfg.solve_prec) * decay, 0.0)
+    M = mm(cfg, q, k, tb=True) * (decay * cfg.scale)
+    tt = unit_lower_inverse_t(beta * KK, False, "blocks", inverse_prec(cfg))  # (I + A)⁻ᵀ
+    U = dot(tt, beta * v.astype(F32), ta=True, precision=cfg.solve_prec)
+    W = dot(tt, _mul(beta * k.astype(F32), ein), ta=True, precision=cfg.solve_prec)
+    u_ref[...] = U.astype(u_ref.dtype)
+    w_ref[...] = W.astype(w_ref.dtype)
+    m_ref[...] = M.astype(m_ref.dtype)
+    if rows == "arrays":
+        qin_ref[...] = (q.astype(F32) * (cfg.scale if ein is None else ein * cfg.scale)).astype(qin_ref.dtype)
+        kout_ref[...] = _mul(k.astype(F32), eout).astype(kout_ref.dtype)
+    elif rows == "columns":
+        one = jnp.ones((C, 1), F32)
+        qin_ref[...] = (_mul(one, ein) * cfg.scale).astype(qin_ref.dtype)
+        kout_ref[...] = _mul(one, eout).astype(kout_ref.dtype)
+    if residuals:
+        kk[0][...] = jnp.where(ri > ci, KK, tt).astype(kk[0].dtype)
+    K = dend_ref.shape[0]
+    d = jnp.ones((K, 1), F32) if d_end is None else jnp.broadcast_to(d_end, (K, 1))
     dend_ref[...] = d.astype(dend_ref.dtype)
 
 
@@ -755,6 +849,71 @@ def intra_bwd_scores(cfg: Cfg, *refs):
     _bwd_scores(cfg, ch, r, do_ref, ut_ref, h_ref, dh_ref, _load_lower(dkk_ref, cfg.nb),
                 lambda I: load_rows(dru_ref, I * SUB, SUB), lambda I: load_rows(dbp_ref, I * SUB, SUB),
                 dq_ref, dk_ref, dbeta_ref, rest[10:])
+
+
+def intra_bwd_solve_whole(cfg: Cfg, *refs):
+    """:func:`intra_bwd_solve` on whole-chunk operands (``intra="whole"``): ``dR_u = (I + A)⁻ᵀ dŨ`` is one
+    matmul with the transposed inverse :func:`intra_fwd_whole` stored in ``KK``'s upper triangle."""
+    r, rest = _split_in(cfg, refs, ("v", "beta", "doc"))
+    kk_ref, ut_ref, dut_ref, dv_ref, dbp_ref, dkk_ref, dru_ref = rest
+    C = cfg.chunk
+    ri, ci = iota((C, C), 0), iota((C, C), 1)
+    strict = ri > ci
+    if cfg.docs:
+        doc = r["doc"][...].astype(F32)
+        strict = strict & (doc == col_to_row(doc, cfg.transpose))
+    kk = kk_ref[...].astype(F32)
+    KK = jnp.where(ri > ci, kk, 0.0)
+    beta = r["beta"][...].astype(F32)
+    dRu = dot(jnp.where(ri <= ci, kk, 0.0), dut_ref[...].astype(F32), precision=cfg.solve_prec)
+    dv_ref[...] = (beta * dRu).astype(dv_ref.dtype)
+    dA = jnp.where(strict, -mm(cfg, dRu, _whole_in(cfg, ut_ref), tb=True), 0.0)
+    db = jnp.sum(r["v"][...].astype(F32) * dRu, axis=1, keepdims=True) + jnp.sum(dA * KK, axis=1, keepdims=True)
+    dbp_ref[...] = db.astype(dbp_ref.dtype)
+    dkk_ref[...] = (beta * dA).astype(dkk_ref.dtype)
+    dru_ref[...] = dRu.astype(dru_ref.dtype)
+
+
+def intra_bwd_scores_whole(cfg: Cfg, *refs):
+    """:func:`intra_bwd_scores` on whole-chunk operands (``intra="whole"``; scalar or no gates): the same
+    terms as :func:`_bwd_scores`, each one ``[C, C]`` or ``[C, D]`` matmul."""
+    r, rest = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
+    ut_ref, do_ref, h_ref, dh_ref, dkk_ref, dru_ref, dbp_ref = rest[:7]
+    dq_ref, dk_ref, dbeta_ref = rest[7:10]
+    C = cfg.chunk
+    ri, ci = iota((C, C), 0), iota((C, C), 1)
+    decay, ein, eout, d_end = _whole_gates(cfg, r, C)
+    decay = jnp.where(ri > ci, decay, 0.0)  # the diagonal (Γ_ii = 1) is taken apart: see _bwd_scores
+    # operands are read from their refs where they are used (not held across the kernel: registers)
+    k = lambda: _whole_in(cfg, r["k"])                                       # noqa: E731
+    kf = lambda: r["k"][...].astype(F32)                                     # noqa: E731
+    qs = lambda: r["q"][...].astype(F32) * cfg.scale                         # noqa: E731
+    dM = mm(cfg, _whole_in(cfg, do_ref), _whole_in(cfg, ut_ref), tb=True)
+    dMd = get_diag(dM)                                                       # [C, 1]
+    dMg = dM * decay
+    dKg = dkk_ref[...].astype(F32) * decay
+    # dq first, then dk's score terms, then the state's: few [C, K] f32 values live at once
+    dq_gated = _mul(mm(cfg, _whole_in(cfg, do_ref), h_ref[...], tb=True), ein) + mm(cfg, dMg, k())
+    dq_ref[...] = ((dq_gated + dMd * kf()) * cfg.scale).astype(dq_ref.dtype)
+    dG = _gate_sum(cfg, qs() * dq_gated) if cfg.gated else None
+    dkL = mm(cfg, dKg, k())
+    dkR = mm(cfg, dMg, qs(), ta=True) + mm(cfg, dKg, k(), ta=True)
+    if cfg.gated:
+        dG = dG + _gate_sum(cfg, kf() * (dkL - dkR))
+    dk = dkL + dkR + dMd * qs()
+    beta = r["beta"][...].astype(F32)
+    dRw = -mm(cfg, dru_ref[...], h_ref[...], tb=True)
+    kdRw = _mul(kf(), ein) * dRw
+    db = jnp.sum(kdRw, axis=1, keepdims=True)
+    dbeta_ref[...] = (dbp_ref[...].astype(F32) + db).astype(dbeta_ref.dtype)
+    dk = dk + _mul(beta * dRw, ein)
+    dkout = mm(cfg, _whole_in(cfg, ut_ref), dh_ref[...], tb=True)
+    dk_ref[...] = (dk + _mul(dkout, eout)).astype(dk_ref.dtype)
+    if cfg.gated:
+        dg_ref, de_ref = rest[10:]
+        dGC = _state_dot(cfg, h_ref, dh_ref) * d_end
+        dg_ref[...] = (dG + beta * db + jnp.where(iota((C, 1), 0) == C - 1, dGC, 0.0)).astype(dg_ref.dtype)
+        de_ref[...] = _gate_sum(cfg, kf() * dkout, eout).astype(de_ref.dtype)
 
 
 def intra_bwd(cfg: Cfg, *refs):

@@ -63,6 +63,7 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 GATES = ("none", "scalar", "channel")
+INTRAS = ("tiles", "whole")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,8 @@ class Cfg:
                              # (kernels.row_factors), as with per-channel gates
     transpose: bool = False  # GPU (Triton): [n, 1] <-> [1, n] by a layout transpose; else (Mosaic TPU) by a
                              # masked sum against the identity (col_to_row)
+    intra: str = "tiles"  # the forward intra-chunk kernel's form (INTRAS): "tiles" (16-row tile pairs) or, without
+                          # per-channel gates, "whole" (one [C, C] / [C, D] matmul per product; kernels.intra_fwd_whole)
 
     @property
     def nb(self) -> int:
@@ -660,11 +663,15 @@ def ut_matrix(cfg: Cfg, KK, beta):
 def ut_system(cfg: Cfg, ch: Chunk, KK, beta):
     """``A = β ⊙ KK`` (tiles) and the transposed inverses of its diagonal tiles."""
     A = ut_matrix(cfg, KK, beta)
-    # The inverse's products (``inverse="blocks"``): f32-accurate for f32 inputs (TPU: HIGHEST; GPU: six bf16
-    # MMAs); with 16-bit inputs, whose solve runs at tf32 (GPU), three bf16 MMAs (~2⁻¹⁶ relative) suffice.
-    if cfg.solve_prec == HIGHEST:
-        prec = HIGHEST
-    else:
-        prec = BF16X6 if cfg.mm_dtype == F32 else BF16X3
+    prec = inverse_prec(cfg)
     tT = [unit_lower_inverse_t(A[I][I], cfg.unroll, cfg.inverse, prec) for I in range(cfg.nb)]
     return A, tT
+
+
+def inverse_prec(cfg: Cfg):
+    """The precision of the UT inverse's products (``inverse="blocks"``): f32-accurate for f32 inputs (TPU:
+    HIGHEST; GPU: six bf16 MMAs); with 16-bit inputs, whose solve runs at tf32 (GPU), three bf16 MMAs
+    (~2⁻¹⁶ relative) suffice."""
+    if cfg.solve_prec == HIGHEST:
+        return HIGHEST
+    return BF16X6 if cfg.mm_dtype == F32 else BF16X3

@@ -12,7 +12,8 @@ not imported by the package.
 Each kernel's line gives its registers and spills (``ptxas -v``); ``--sass`` adds its SASS
 instruction count (``nvdisasm``). ``--forward_only`` lowers the undifferentiated call (its forward
 kernels without residuals: the state pass takes the output and stores nothing else) instead of
-fwd+bwd; ``--qk_arrays``, ``--state_pairs`` and ``--num_warps_fwd`` pass those launch knobs.
+fwd+bwd; ``--qk_arrays``, ``--state_pairs``, ``--intra``, ``--chunks_per_program`` and ``--num_warps_fwd``
+pass those launch knobs.
 ``--gate``: ``kda`` (exact per-channel), ``kda_bounded`` (``gate_lower_bound=-5``), ``gdn`` (scalar
 gate), ``none`` (DeltaNet) or ``all``; ``--dtype`` and ``--chunk_size`` take
 comma-separated lists (every combination is lowered and compiled).
@@ -29,7 +30,8 @@ GATES = ("none", "gdn", "kda", "kda_bounded")
 
 
 def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None, bv=None,
-              anchored_fwd=None, qk_arrays=None, state_pairs=None, forward_only=False):
+              anchored_fwd=None, qk_arrays=None, state_pairs=None, forward_only=False, intra=None,
+              chunks_per_program=None):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering as L
@@ -60,7 +62,9 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
                       chunk_size=chunk_size, **({} if inverse is None else {"inverse": inverse}),
                       **({} if bv is None else {"bv": bv}),
                       **({} if state_pairs is None else {"state_pairs": state_pairs}),
-                      **({} if qk_arrays is None or gate.startswith("kda") else {"qk_arrays": qk_arrays}))
+                      **({} if qk_arrays is None or gate.startswith("kda") else {"qk_arrays": qk_arrays}),
+                      **({} if intra is None or gate.startswith("kda") else {"intra": intra}),
+                      **({} if chunks_per_program is None else {"chunks_per_program": chunks_per_program}))
 
             def loss(q, k, v, g, b, S):
                 if gate == "kda":
@@ -188,6 +192,10 @@ def main(argv=None):
                     help="none, gdn: the qk_arrays launch knob (default: the API's)")
     ap.add_argument("--state_pairs", type=int, choices=(0, 1), default=None,
                     help="the state_pairs launch knob (default: the API's)")
+    ap.add_argument("--intra", choices=("tiles", "whole"), default=None,
+                    help="none, gdn: the forward intra-chunk kernel's form (default: the API's)")
+    ap.add_argument("--chunks_per_program", type=int, default=None,
+                    help="the backward intra-chunk kernels' chunks per program (default: the API's)")
     ap.add_argument("--forward_only", action="store_true",
                     help="lower the undifferentiated call (its forward kernels alone) instead of fwd+bwd")
     ap.add_argument("--sass", action="store_true", help="also count each kernel's SASS instructions (nvdisasm)")
@@ -214,7 +222,8 @@ def main(argv=None):
                     n = dump_ttir(d, gate, bool(args.docs), dtype, 2, args.T, 16, 128, 128, chunk, args.anchored_bwd,
                                    args.inverse, args.bv, args.anchored_fwd,
                                    None if args.qk_arrays is None else bool(args.qk_arrays),
-                                   None if args.state_pairs is None else bool(args.state_pairs), args.forward_only)
+                                   None if args.state_pairs is None else bool(args.state_pairs), args.forward_only,
+                                   args.intra, args.chunks_per_program)
                     print(f"{label}{n} kernels lowered", flush=True)
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,

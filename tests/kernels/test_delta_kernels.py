@@ -455,6 +455,45 @@ def test_state_pairs(rule, T_, dtype):
         kd.chunk_delta_rule(q, k, v, beta, target="tpu", interpret=True, state_pairs=True)
 
 
+@pytest.mark.parametrize("rule,gates,docs,C,dtype", [
+    ("gdn", "uniform", True, None, np.float32), ("delta", "uniform", True, None, np.float32),
+    ("gdn", "unbounded", True, None, np.float32), ("gdn", "bound", False, None, np.float32),
+    pytest.param("delta", "uniform", False, None, np.float32, marks=pytest.mark.slow),
+    pytest.param("gdn", "strong", True, None, np.float32, marks=pytest.mark.slow),
+    pytest.param("gdn", "uniform", True, 16, np.float32, marks=pytest.mark.slow),
+    pytest.param("gdn", "uniform", True, 64, np.float32, marks=pytest.mark.slow),
+    pytest.param("delta", "uniform", True, None, jnp.bfloat16, marks=pytest.mark.slow)])
+def test_whole_chunk_kernels(rule, gates, docs, C, dtype):
+    """``intra="whole"`` (the GPU default for 16-bit DeltaNet / GDN, :func:`api.default_intra`): the
+    forward and both backward intra-chunk kernels on whole ``[C, C]`` / ``[C, D]`` operands (one matmul
+    per product, the UT inverse by doubling of the whole chunk, its transpose stored whole in ``KK``'s
+    upper triangle) — forward, final state and every gradient against the reference, f32 to 1e-4 (the
+    default takes this path for 16-bit inputs alone: ``test_bf16_inputs``)."""
+    x = make_inputs(13, gates=gates, dtype=dtype)
+    check(rule, x, docs, 1e-4 if dtype == np.float32 else 1e-2, target="gpu", chunk_size=C,
+          tuning=(("intra", "whole"),))
+
+
+def test_whole_chunk_kernels_are_picked_and_refused_by_name():
+    """``intra="auto"`` picks the whole-chunk kernels on GPUs for 16-bit DeltaNet / GDN only; a bad value,
+    per-channel gates and the TPU flavour are refused naming ``intra``."""
+    assert kd.default_intra("gpu", "scalar", True) == kd.default_intra("gpu", "none", True) == "whole"
+    assert kd.default_intra("gpu", "scalar", False) == kd.default_intra("gpu", "channel", True) == "tiles"
+    assert kd.default_intra("tpu", "none", True) == "tiles"
+    a = [jnp.zeros((1, 64, 2, 16), jnp.bfloat16)] * 3 + [-jnp.ones((1, 64, 2)), jnp.ones((1, 64, 2), jnp.bfloat16)]
+    assert kd._debug_spec(*a)[0].cfg.intra == "whole"
+    assert kd._debug_spec(*(x.astype(jnp.float32) for x in a))[0].cfg.intra == "tiles"
+    assert kd._debug_spec(*a, intra="tiles")[0].cfg.intra == "tiles"
+    q, k, v, g, beta = a
+    with pytest.raises(ValueError, match="intra"):
+        kd.chunk_gated_delta_rule(q, k, v, g, beta, target="gpu", interpret=True, intra="rows")
+    with pytest.raises(ValueError, match="intra"):
+        kd.chunk_kda(q, k, v, jnp.broadcast_to(g[..., None], q.shape), beta, target="gpu", interpret=True,
+                     intra="whole")
+    with pytest.raises(ValueError, match="intra"):
+        kd.chunk_delta_rule(q, k, v, beta, target="tpu", interpret=True, intra="whole")
+
+
 @pytest.mark.parametrize("bv,stages", [(16, 1), (32, None)])
 def test_value_blocks_narrower_than_the_value_dim(bv, stages):
     """The sequential state passes split V into ``bv``-wide blocks, one program each (GPU default:
@@ -605,7 +644,8 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     assert launches(num_warps_scores=2)[scores[0]] == 2
     assert all(launches(num_warps_fwd=8)[n] == 8 for n in intra)
     assert launches(num_warps_solve=4)[solve[0]] == 4
-    assert launches(jnp.float32)[intra[0]] == launches(jnp.float32)[solve[0]] == 4  # f32 tiles spill at 4 already
+    f32 = launches(jnp.float32)  # f32 tiles spill at 4 already
+    assert all(w == 4 for n, w in f32.items() if "intra_fwd" in n or "intra_bwd_solve" in n)
     with pytest.raises(ValueError, match="num_warps_scores"):
         launches(num_warps_scores=3)
     with pytest.raises(ValueError, match="num_warps_fwd"):
