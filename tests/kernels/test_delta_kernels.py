@@ -462,13 +462,15 @@ def test_state_pairs(rule, T_, dtype):
     pytest.param("gdn", "strong", True, None, np.float32, marks=pytest.mark.slow),
     pytest.param("gdn", "uniform", True, 16, np.float32, marks=pytest.mark.slow),
     pytest.param("gdn", "uniform", True, 64, np.float32, marks=pytest.mark.slow),
+    ("gdn", "unbounded", True, None, jnp.bfloat16),
     pytest.param("delta", "uniform", True, None, jnp.bfloat16, marks=pytest.mark.slow)])
 def test_whole_chunk_kernels(rule, gates, docs, C, dtype):
     """``intra="whole"`` (the GPU default for 16-bit DeltaNet / GDN, :func:`api.default_intra`): the
     forward and both backward intra-chunk kernels on whole ``[C, C]`` / ``[C, D]`` operands (one matmul
     per product, the UT inverse by doubling of the whole chunk, its transpose stored whole in ``KK``'s
-    upper triangle) — forward, final state and every gradient against the reference, f32 to 1e-4 (the
-    default takes this path for 16-bit inputs alone: ``test_bf16_inputs``)."""
+    upper triangle) — forward, final state and every gradient against the reference, f32 to 1e-4, bf16
+    to 1e-2 (16-bit inputs form the decays from the chunk's prefix sums, f32 ones from per-tile sums:
+    ``kernels._whole_gates``; the default takes this path for 16-bit inputs alone)."""
     x = make_inputs(13, gates=gates, dtype=dtype)
     check(rule, x, docs, 1e-4 if dtype == np.float32 else 1e-2, target="gpu", chunk_size=C,
           tuning=(("intra", "whole"),))
