@@ -26,7 +26,8 @@ If the Triton lowering is removed, the state passes keep running on Mosaic GPU; 
 kernels would need the same port. GPU chunks are 32 tokens (two 16-row tiles): Triton's compile
 time grows steeply with the unrolled tile pairs (see :func:`default_chunk`), and at 64 tokens the
 state passes take about half their time but the forward's intra-chunk kernel 5–7× its own (one
-H200, DeltaNet and GDN; docs/benchmarks.md, "What limits them"). Measured against fla's
+H200, DeltaNet and GDN; docs/benchmarks.md, "What limits them") — 2.8–2.9× in the whole-chunk form
+(``intra="whole"``, the 16-bit default for DeltaNet and GDN: :func:`default_intra`). Measured against fla's
 Triton kernels in the same process: docs/benchmarks.md.
 
 TPU: Mosaic. Tensors go head-major ``[B, H, T, D]`` so every block's last two

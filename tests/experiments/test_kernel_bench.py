@@ -190,6 +190,17 @@ def test_ab_knobs_may_set_the_chunk_size(monkeypatch):
     assert seen["chunk_size"] == 64 and seen["state_pairs"] is True
 
 
+def test_intra_knob_is_parsed_and_checked():
+    """``--pallas_tuning intra=...`` / ``--ab intra=...`` take the kernels' forms by name; another value
+    is an argparse error naming the flag."""
+    import argparse
+
+    assert kb.parse_tuning(argparse.ArgumentParser(), "--ab", "intra=whole") == {"intra": "whole"}
+    assert kb.parse_tuning(argparse.ArgumentParser(), "--pallas_tuning", "intra=tiles") == {"intra": "tiles"}
+    with pytest.raises(SystemExit):
+        kb.parse_tuning(argparse.ArgumentParser(), "--ab", "intra=rows")
+
+
 def test_mosaic_part_times_the_triton_backward_pass(monkeypatch):
     """``--parts mosaic``: the Triton column's backward is the Triton pass at every shape, not the
     default lowering (``state_bwd="auto"`` picks the Mosaic GPU pass at 128 programs or more)."""
