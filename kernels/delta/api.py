@@ -922,7 +922,9 @@ def default_warps_fwd(gate: str, num_warps: int, low: bool = True) -> int:
     do not fit 2 warps' registers). fwd+bwd took 1.02× (DeltaNet) and 1.17× (GDN) there: the
     backward's scores kernel is slower at 2 warps (its solve kernel faster: :func:`default_warps_solve`).
     KDA's forward runs with ``num_warps``, and so do f32 inputs, whose tiles already spill at 4 warps
-    (ptxas, sm_90a: DeltaNet 924 B per thread at 4 warps, 1868 B at 2; GDN 1416 and 2076 B)."""
+    (ptxas, sm_90a: DeltaNet 924 B per thread at 4 warps, 1868 B at 2; GDN 1416 and 2076 B). The
+    whole-chunk kernel (:func:`default_intra`) keeps 2: at 4 warps the forward took 1.12× (DeltaNet)
+    and 1.11× (GDN) at (2, 8192), fwd+bwd 1.03×."""
     return 2 if (low and gate != "channel") else num_warps
 
 
@@ -931,7 +933,9 @@ def default_warps_solve(num_warps: int, low: bool = True) -> int:
     for every rule): 2 with 16-bit inputs. Paired on one H200 (bf16, H 16, D 128, ``kernel_bench
     --parts ab --ab num_warps=2,num_warps_scores=4``, which changes only this kernel's warps), fwd+bwd
     took 0.941× for DeltaNet and GDN at (2, 8192) and 0.935× at (8, 2048). f32 inputs keep
-    ``num_warps`` (not timed: as for :func:`default_warps_fwd`, their f32 tiles would spill more)."""
+    ``num_warps`` (not timed: as for :func:`default_warps_fwd`, their f32 tiles would spill more). The
+    whole-chunk solve kernel (:func:`default_intra`) keeps 2: at 4 warps fwd+bwd took 1.04× (DeltaNet)
+    and 1.03× (GDN) at (2, 8192)."""
     return 2 if low else num_warps
 
 
