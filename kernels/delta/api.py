@@ -906,8 +906,9 @@ def default_intra(target: str, gate: str, low: bool) -> str:
     """The intra-chunk kernels' form (``intra="auto"``): ``"whole"`` (:func:`kernels.delta.kernels.intra_fwd_whole`
     and the backward's ``*_whole`` kernels: one ``[C, C]`` or ``[C, D]`` matmul per product) on GPUs for 16-bit
     DeltaNet and Gated DeltaNet, ``"tiles"`` (16-row tile pairs) otherwise. Paired on one H200 (bf16, H 16,
-    D 128, ``kernel_bench --parts ab --ab intra=whole``), whole / tiles: fwd+bwd 0.925 (DeltaNet) and 0.891
-    (GDN) at (2, 8192), 0.928 and 0.886 at (8, 2048); forward 0.97–0.99. With f32 inputs the whole backward
+    D 128, ``kernel_bench --parts ab --pallas_tuning intra=tiles --ab intra=whole``, commit 06f6769), whole /
+    tiles: fwd+bwd 0.922–0.943 (DeltaNet) and 0.901–0.904 (GDN) at (2, 8192), (8, 2048) and (1, 32768);
+    forward 0.97–0.99. With f32 inputs the whole backward
     scores kernel does not fit (ptxas, sm_90a: 60 KB of spills per thread against the tiles' 3.7–6.0 KB);
     per-channel gates (KDA) need the tiles' anchored or looped diagonal tiles."""
     return "whole" if (target == "gpu" and low and gate in ("none", "scalar")) else "tiles"

@@ -138,10 +138,11 @@ def _whole_gates(cfg: Cfg, r, C: int):
     :class:`~kernels.delta.tiles.Chunk` forms them per 16-row tile, so that a huge gate costs the same
     precision as there (f32 ≤ 1e-4 against the reference with gates to −1e3): with ``P_i`` the gates' sum
     over row ``i``'s tile after its first (anchor) row up to ``i``, ``Γ_ij = exp(P_i − P_j)`` within a tile,
-    and across tiles the exponent is the sum of non-positive parts ``(P_i + g_{a_I}) + Σ_{J<L<I} tot_L + (span_J − P_j)`` (no
-    difference of two long prefix sums); ``E_in = e^{Σ_{t <= i} g_t}``, ``E_out = e^{Σ_{t > i} g_t}``,
-    ``d_end = e^{Σ g}``. The ``exp`` sees only the causal, same-document entries. Documents zero ``E_in``
-    after the chunk's first reset, ``E_out`` before its last and ``d_end`` where the chunk holds a reset."""
+    and across tiles the exponent is the sum of non-positive parts
+    ``(P_i + g_{a_I}) + Σ_{J<L<I} tot_L + (span_J − P_j)`` (no difference of two long prefix sums);
+    ``E_in = e^{Σ_{t <= i} g_t}``, ``E_out = e^{Σ_{t > i} g_t}``, ``d_end = e^{Σ g}``. The ``exp`` sees only
+    the causal, same-document entries. Documents zero ``E_in`` after the chunk's first reset, ``E_out``
+    before its last and ``d_end`` where the chunk holds a reset."""
     ri, ci = iota((C, C), 0), iota((C, C), 1)
     causal = ri >= ci
     sees = last = sees_last = None

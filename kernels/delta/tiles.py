@@ -87,7 +87,7 @@ class Cfg:
                              # (kernels.row_factors), as with per-channel gates
     transpose: bool = False  # GPU (Triton): [n, 1] <-> [1, n] by a layout transpose; else (Mosaic TPU) by a
                              # masked sum against the identity (col_to_row)
-    intra: str = "tiles"  # the forward intra-chunk kernel's form (INTRAS): "tiles" (16-row tile pairs) or, without
+    intra: str = "tiles"  # the intra-chunk kernels' form (INTRAS): "tiles" (16-row tile pairs) or, without
                           # per-channel gates, "whole" (one [C, C] / [C, D] matmul per product; kernels.intra_fwd_whole)
 
     @property

@@ -193,7 +193,7 @@ def main(argv=None):
     ap.add_argument("--state_pairs", type=int, choices=(0, 1), default=None,
                     help="the state_pairs launch knob (default: the API's)")
     ap.add_argument("--intra", choices=("tiles", "whole"), default=None,
-                    help="none, gdn: the forward intra-chunk kernel's form (default: the API's)")
+                    help="none, gdn: the intra-chunk kernels' form (default: the API's)")
     ap.add_argument("--chunks_per_program", type=int, default=None,
                     help="the backward intra-chunk kernels' chunks per program (default: the API's)")
     ap.add_argument("--forward_only", action="store_true",
