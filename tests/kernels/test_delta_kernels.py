@@ -647,7 +647,8 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     assert all(launches(num_warps_fwd=8)[n] == 8 for n in intra)
     assert launches(num_warps_solve=4)[solve[0]] == 4
     f32 = launches(jnp.float32)  # f32 tiles spill at 4 already
-    assert all(w == 4 for n, w in f32.items() if "intra_fwd" in n or "intra_bwd_solve" in n)
+    f32_intra = [n for n in f32 if "intra_fwd" in n or "intra_bwd_solve" in n]
+    assert len(f32_intra) == len(intra) + 1 and all(f32[n] == 4 for n in f32_intra)
     with pytest.raises(ValueError, match="num_warps_scores"):
         launches(num_warps_scores=3)
     with pytest.raises(ValueError, match="num_warps_fwd"):
