@@ -807,7 +807,8 @@ def _pad_dim(n, target):
 def default_chunk(target: str) -> int:
     """Tokens per chunk. GPU: 32 — two 16-row tiles keep the Triton kernels small (compile
     time grows steeply with the unrolled tile pairs: ~9 s at 32 vs ~45 s at 64 per config)
-    and registers in range; whole forwards at 64 took 2.3–3.4× on one H200 (docs/benchmarks.md);
+    and registers in range; forward calls at 64 took 2.3–3.4× with the tile kernels and 1.9–2.1× with the
+    whole-chunk ones (:func:`default_intra`) on one H200 (docs/benchmarks.md);
     TPU: 64 (MXU-sized tiles, Mosaic compiles the unrolled code)."""
     return 64 if target == "tpu" else 32
 
