@@ -127,6 +127,7 @@ SPLIT_BV = 128
 # GPU backward intra-chunk kernels (chunks_per_program="auto": default_chunks_per_program): each program
 # loops over PROGRAM_CHUNKS chunks, its loads pipelined in PROGRAM_STAGES stages.
 PROGRAM_CHUNKS = 2
+GPU_MAX_CHUNK = 64  # the largest chunk_size the GPU (Triton) kernels take
 PROGRAM_STAGES = 2
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
                        # values they scale before products go subnormal (flushed on tensor cores)
@@ -394,7 +395,7 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
                      out_shape=out_shape, semantics=par, warps=s.num_warps_fwd,
                      aliases={n_in + i: i for i in range(len(out_shape))})(*args, unsafe, *first)
     else:
-        body = kn.intra_fwd_whole if s.cfg.intra == "whole" else kn.intra_fwd
+        body = {"whole": kn.intra_fwd_whole, "halves": kn.intra_fwd_halves}.get(s.cfg.intra, kn.intra_fwd)
         outs = _call(s, functools.partial(body, s.cfg, residuals=residuals), grid=(s.B, s.H, s.N),
                      in_specs=specs, out_specs=out_specs, out_shape=out_shape, semantics=par,
                      warps=s.num_warps_fwd)(*args)
@@ -685,7 +686,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
     if doc is not None:
         sargs.append(doc)
         sspecs.append(_tok_spec(s, C, 1, lambda b, h_, n: (b, n, 0, 0)))
-    whole = s.cfg.intra == "whole"
+    whole = s.cfg.intra in ("whole", "halves")
     dv, dbp, dkk, dru = _call(
         s, functools.partial(kn.intra_bwd_solve_whole if whole else kn.intra_bwd_solve, s.cfg), grid=grid,
         in_specs=sspecs + [tc, tv, tv],
@@ -825,12 +826,14 @@ def default_bv(BH: int, V: int) -> int:
     return bv
 
 
-def default_chunks_per_program(target: str, gate: str, N: int) -> int:
+def default_chunks_per_program(target: str, gate: str, N: int, C: int = 32) -> int:
     """Chunks per program of the backward's intra-chunk kernels (``chunks_per_program="auto"``): on
     GPUs ``PROGRAM_CHUNKS`` where it divides the chunk count, except for scalar gates (GDN), whose
     scores kernel spills and took longer looping (paired, one H200: DeltaNet and KDA fwd+bwd
-    0.88–0.96×, GDN 1.05×; ``docs/benchmarks.md``); 1 on TPUs."""
-    if target != "gpu" or gate == "scalar" or N % PROGRAM_CHUNKS:
+    0.88–0.96×, GDN 1.05×; ``docs/benchmarks.md``), and except for chunks above 32 tokens, whose looped
+    scores kernels' pipelined loads do not fit a Hopper GPU's 227 KB of shared memory (Triton 3.6,
+    bf16, C = 64: 408 KB for DeltaNet's whole-chunk kernel, 288 KB for KDA's); 1 on TPUs."""
+    if target != "gpu" or gate == "scalar" or N % PROGRAM_CHUNKS or C > 32:
         return 1
     return PROGRAM_CHUNKS
 
@@ -850,6 +853,13 @@ def default_state_split(target: str, BH: int, N: int, V: int) -> int:
     while BH * P < SPLIT_SEQUENCES and N % (2 * P) == 0 and N // (2 * P) >= SPLIT_MIN_CHUNKS:
         P *= 2
     return P
+
+
+def split_bv(C: int) -> int:
+    """GPU: the value blocks of split state passes (:func:`default_state_split`): ``SPLIT_BV``, or 64 for
+    chunks above 32 tokens, whose pipelined loads at 128 columns do not fit a Hopper GPU's 227 KB of
+    shared memory (Triton 3.6, bf16, C = 64: the forward pass 244 KB at 128 columns, 208 KB at 64)."""
+    return SPLIT_BV if C <= 32 else min(SPLIT_BV, 64)
 
 
 def default_warps_state(bv: int) -> int:
@@ -915,7 +925,7 @@ def default_intra(target: str, gate: str, low: bool) -> str:
     return "whole" if (target == "gpu" and low and gate in ("none", "scalar")) else "tiles"
 
 
-def default_warps_fwd(gate: str, num_warps: int, low: bool = True) -> int:
+def default_warps_fwd(gate: str, num_warps: int, low: bool = True, C: int = 32) -> int:
     """GPU: warps of the forward's intra-chunk kernel (scores, the UT solve, ``W``, ``U``). With 16-bit
     inputs (``low``) and without per-channel gates it runs with 2. Paired on one H200 (bf16, H 16,
     D 128, ``kernel_bench --parts ab --ab num_warps=2``: every intra-chunk kernel at 2 warps), the
@@ -926,8 +936,10 @@ def default_warps_fwd(gate: str, num_warps: int, low: bool = True) -> int:
     KDA's forward runs with ``num_warps``, and so do f32 inputs, whose tiles already spill at 4 warps
     (ptxas, sm_90a: DeltaNet 924 B per thread at 4 warps, 1868 B at 2; GDN 1416 and 2076 B). The
     whole-chunk kernel (:func:`default_intra`) keeps 2: at 4 warps the forward took 1.12× (DeltaNet)
-    and 1.11× (GDN) at (2, 8192), fwd+bwd 1.03×."""
-    return 2 if (low and gate != "channel") else num_warps
+    and 1.11× (GDN) at (2, 8192), fwd+bwd 1.03×. Chunks above 32 tokens take ``num_warps``: at C = 64
+    the whole-chunk kernel does not fit 2 warps (ptxas, sm_90a, bf16: 32 registers and 95 KB of spills per
+    thread for DeltaNet) and took 0.546 ms at 4 warps against 0.800 at 8 ((2, 8192), docs/benchmarks.md)."""
+    return 2 if (low and gate != "channel" and C <= 32) else num_warps
 
 
 def default_warps_solve(num_warps: int, low: bool = True) -> int:
@@ -1002,13 +1014,19 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`target` must be one of {TARGETS}, got {target!r}")
     if intra != "auto" and intra not in INTRAS:
         raise ValueError(f"`intra` must be 'auto' or one of {INTRAS}, got {intra!r}")
-    if intra == "whole" and gate == "channel":
-        raise ValueError("`intra='whole'` takes scalar or no gates; per-channel gates (KDA) need 'tiles'")
-    if intra == "whole" and target == "tpu":
-        raise ValueError("`intra='whole'` is a GPU kernel form; `target='tpu'` needs 'tiles'")
+    if intra in ("whole", "halves") and gate == "channel":
+        raise ValueError(f"`intra={intra!r}` takes scalar or no gates; per-channel gates (KDA) need 'tiles'")
+    if intra in ("whole", "halves") and target == "tpu":
+        raise ValueError(f"`intra={intra!r}` is a GPU kernel form; `target='tpu'` needs 'tiles'")
     if chunk_size is None:
         chunk_size = default_chunk(target)
     check_chunk_size(chunk_size)
+    if target == "gpu" and chunk_size > GPU_MAX_CHUNK:
+        raise ValueError(f"`chunk_size` must be <= {GPU_MAX_CHUNK} for the GPU kernels (their [C, C] blocks live in "
+                         f"registers; larger chunks spill and take minutes to compile), got {chunk_size}")
+    if intra == "halves" and chunk_size < 32:
+        raise ValueError(f"`intra='halves'` splits a chunk into two halves of at least 16 rows; `chunk_size` "
+                         f"must be >= 32, got {chunk_size}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     C = chunk_size
@@ -1059,7 +1077,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`state_split` must be 'auto' or a positive int dividing the number of chunks "
                          f"(T = {T} is {N} chunks of {C}), got {state_split!r}")
     if chunks_per_program == "auto":
-        chunks_per_program = default_chunks_per_program(target, gate or "none", N)
+        chunks_per_program = default_chunks_per_program(target, gate or "none", N, C)
     elif isinstance(chunks_per_program, bool) or not isinstance(chunks_per_program, int) or chunks_per_program < 1 \
             or N % chunks_per_program or (chunks_per_program > 1 and target != "gpu"):
         raise ValueError(f"`chunks_per_program` must be 'auto' or a positive int dividing the number of chunks "
@@ -1084,7 +1102,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         if w is not None and w not in (1, 2, 4, 8, 16):
             raise ValueError(f"`{name}` must be 1, 2, 4, 8 or 16 (warps per program), got {w!r}")
     if bv is None:
-        bv = V if target == "tpu" else (min(V, SPLIT_BV) if state_split > 1 else default_bv(BHs, V))
+        bv = V if target == "tpu" else (min(V, split_bv(C)) if state_split > 1 else default_bv(BHs, V))
     if num_warps_state is None:
         num_warps_state = default_warps_state(bv)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
@@ -1093,7 +1111,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              num_stages_state=STATE_STAGES if num_stages_state is None else int(num_stages_state),
              num_warps_scores=(default_warps_scores(cfg.gate, num_warps) if num_warps_scores is None
                                else int(num_warps_scores)),
-             num_warps_fwd=(default_warps_fwd(cfg.gate, num_warps, low) if num_warps_fwd is None
+             num_warps_fwd=(default_warps_fwd(cfg.gate, num_warps, low, C) if num_warps_fwd is None
                             else int(num_warps_fwd)),
              num_warps_solve=(default_warps_solve(num_warps, low) if num_warps_solve is None
                               else int(num_warps_solve)),

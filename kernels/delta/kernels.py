@@ -190,6 +190,55 @@ def _whole_in(cfg: Cfg, ref):
     return x if cfg.mm_dtype != F32 else x.astype(F32)
 
 
+def _whole_solve(cfg: Cfg, r, C: int, uw: bool = True):
+    """One chunk's (or half-chunk's, :func:`intra_fwd_halves`) whole-chunk forward products from the input
+    refs ``r``: ``(q, k, v, beta, ein, eout, d_end, KK, M, tt, U, W)`` — ``KK`` the decayed ``k kᵀ`` (strictly
+    lower), ``M`` the decayed, scaled scores, ``tt = (I + A)⁻ᵀ``, ``U``, ``W`` in f32 (None unless ``uw``);
+    gates :func:`_whole_gates`."""
+    ri, ci = iota((C, C), 0), iota((C, C), 1)
+    q, k, v = _whole_in(cfg, r["q"]), _whole_in(cfg, r["k"]), _whole_in(cfg, r["v"])
+    beta = r["beta"][...].astype(F32)                                        # [C, 1]
+    decay, ein, eout, d_end = _whole_gates(cfg, r, C)
+    # 16-bit inputs: k kᵀ from the stored values with f32 accumulation is the solve's tf32 product exactly
+    KK = jnp.where(ri > ci, dot(k, k, tb=True, precision=cfg.solve_prec) * decay, 0.0)
+    M = mm(cfg, q, k, tb=True) * (decay * cfg.scale)
+    tt = unit_lower_inverse_t(beta * KK, False, "blocks", inverse_prec(cfg))  # (I + A)⁻ᵀ
+    if not uw:
+        return q, k, v, beta, ein, eout, d_end, KK, M, tt, None, None
+    U = dot(tt, beta * v.astype(F32), ta=True, precision=cfg.solve_prec)
+    W = dot(tt, _mul(beta * k.astype(F32), ein), ta=True, precision=cfg.solve_prec)
+    return q, k, v, beta, ein, eout, d_end, KK, M, tt, U, W
+
+
+def _whole_outs(cfg: Cfg, refs):
+    """The output refs of :func:`intra_fwd_whole` / :func:`intra_fwd_halves`: ``(w, u, m, q_in | ein,
+    k_out | eout, d_end, [KK])`` (``q_in``/``k_out`` None in the "scale" mode of :func:`row_factors`)."""
+    w_ref, u_ref, m_ref, *outs = refs
+    rows = row_factors(cfg)
+    qin_ref, kout_ref = (None, None) if rows == "scale" else (outs.pop(0), outs.pop(0))
+    dend_ref, *kk = outs
+    return w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, kk
+
+
+def _store_factors(cfg: Cfg, qin_ref, kout_ref, rows, q, k, ein, eout):
+    """``q_in``/``k_out`` (the "arrays" mode) or their row factors (``ein`` with ``scale`` folded in, ``eout``;
+    the "columns" mode) on the token rows ``rows`` (``slice(None)``: all); nothing in the "scale" mode."""
+    mode = row_factors(cfg)
+    if mode == "arrays":
+        qin_ref[rows, :] = (q.astype(F32) * (cfg.scale if ein is None else ein * cfg.scale)).astype(qin_ref.dtype)
+        kout_ref[rows, :] = _mul(k.astype(F32), eout).astype(kout_ref.dtype)
+    elif mode == "columns":
+        one = jnp.ones((q.shape[0], 1), F32)
+        qin_ref[rows, :] = (_mul(one, ein) * cfg.scale).astype(qin_ref.dtype)
+        kout_ref[rows, :] = _mul(one, eout).astype(kout_ref.dtype)
+
+
+def _store_dend(dend_ref, d_end):
+    K = dend_ref.shape[0]
+    d = jnp.ones((K, 1), F32) if d_end is None else jnp.broadcast_to(d_end, (K, 1))
+    dend_ref[...] = d.astype(dend_ref.dtype)
+
+
 def intra_fwd_whole(cfg: Cfg, *refs, residuals: bool = True):
     """:func:`intra_fwd` without per-channel gates (DeltaNet, GDN), on whole-chunk operands (``intra="whole"``):
     each product is one ``[C, C]`` or ``[C, D]`` matmul instead of 16-row tile pairs, and ``(I + A)⁻¹`` is
@@ -199,36 +248,106 @@ def intra_fwd_whole(cfg: Cfg, *refs, residuals: bool = True):
     all of it). Gates: :func:`_whole_gates`."""
     assert not cfg.channel, "intra_fwd_whole: scalar or no gates"
     r, outs = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
-    w_ref, u_ref, m_ref, *outs = outs
-    rows = row_factors(cfg)
-    qin_ref, kout_ref = (None, None) if rows == "scale" else (outs.pop(0), outs.pop(0))
-    dend_ref, *kk = outs
+    w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, kk = _whole_outs(cfg, outs)
     C = cfg.chunk
     ri, ci = iota((C, C), 0), iota((C, C), 1)
-    q, k, v = _whole_in(cfg, r["q"]), _whole_in(cfg, r["k"]), _whole_in(cfg, r["v"])
-    beta = r["beta"][...].astype(F32)                                        # [C, 1]
-    decay, ein, eout, d_end = _whole_gates(cfg, r, C)
-    # 16-bit inputs: k kᵀ from the stored values with f32 accumulation is the solve's tf32 product exactly
-    KK = jnp.where(ri > ci, dot(k, k, tb=True, precision=cfg.solve_prec) * decay, 0.0)
-    M = mm(cfg, q, k, tb=True) * (decay * cfg.scale)
-    tt = unit_lower_inverse_t(beta * KK, False, "blocks", inverse_prec(cfg))  # (I + A)⁻ᵀ
-    U = dot(tt, beta * v.astype(F32), ta=True, precision=cfg.solve_prec)
-    W = dot(tt, _mul(beta * k.astype(F32), ein), ta=True, precision=cfg.solve_prec)
+    q, k, _, _, ein, eout, d_end, KK, M, tt, U, W = _whole_solve(cfg, r, C)
     u_ref[...] = U.astype(u_ref.dtype)
     w_ref[...] = W.astype(w_ref.dtype)
     m_ref[...] = M.astype(m_ref.dtype)
-    if rows == "arrays":
-        qin_ref[...] = (q.astype(F32) * (cfg.scale if ein is None else ein * cfg.scale)).astype(qin_ref.dtype)
-        kout_ref[...] = _mul(k.astype(F32), eout).astype(kout_ref.dtype)
-    elif rows == "columns":
-        one = jnp.ones((C, 1), F32)
-        qin_ref[...] = (_mul(one, ein) * cfg.scale).astype(qin_ref.dtype)
-        kout_ref[...] = _mul(one, eout).astype(kout_ref.dtype)
+    _store_factors(cfg, qin_ref, kout_ref, slice(None), q, k, ein, eout)
     if residuals:
         kk[0][...] = jnp.where(ri > ci, KK, tt).astype(kk[0].dtype)
-    K = dend_ref.shape[0]
-    d = jnp.ones((K, 1), F32) if d_end is None else jnp.broadcast_to(d_end, (K, 1))
-    dend_ref[...] = d.astype(dend_ref.dtype)
+    _store_dend(dend_ref, d_end)
+
+
+_SOLVE_COLS = 64  # intra_fwd_halves: the column blocks of its last products
+
+
+class _Half:
+    """Half ``h`` (0 or 1) of a ``[C, cols]`` token-block ref, indexed as a ``[C/2, cols]`` block; ``minus``
+    (a ``[1, 1]`` value) is subtracted from what it reads (the document index, counted from the half's start)."""
+
+    def __init__(self, ref, h, minus=None):
+        self.ref, self.h, self.minus = ref, h, minus
+        self.n = ref.shape[0] // 2
+
+    @property
+    def shape(self):
+        return (self.n,) + tuple(self.ref.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.ref.dtype
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        first, rest = idx[0], idx[1:]
+        if first is Ellipsis or (isinstance(first, slice) and first == slice(None)):
+            first, rest = pl.ds(self.h * self.n, self.n), (rest if first is not Ellipsis else ())
+        else:  # pl.ds(start, size)
+            first = pl.ds(self.h * self.n + first.start, first.size)
+        x = self.ref[(first,) + tuple(rest)]
+        return x if self.minus is None else x - self.minus
+
+
+def intra_fwd_halves(cfg: Cfg, *refs, residuals: bool = True):
+    """:func:`intra_fwd_whole`'s outputs for a chunk of ``C`` rows, computed from its two halves ``a``, ``b``
+    of ``C/2`` rows (``intra="halves"``), so that the state passes run on chunks of ``C`` rows — half the
+    dependent steps — while no product here is larger than a half's. Each half's scores and inverse
+    ``T = (I + A)⁻¹`` as in :func:`_whole_solve`; then the block solve of the whole chunk: the decay from a
+    row of ``a`` to one of ``b`` is ``E_out,a E_in,b``, so the cross block of ``k kᵀ`` is
+    ``KK_ba = E_in,b ⊙ (k_b k_out,aᵀ)``, the inverse's is ``−Y`` with ``Y = T_b (β_b ⊙ KK_ba) T_a``, and
+    ``U_b = T_b (β_b v_b) − Y (β_a v_a)``, ``W_b = T_b (β_b k_b ⊙ d_a E_in,b) − Y (β_a k_a ⊙ E_in,a)`` (in
+    64-column blocks, to keep registers down). The scores' cross block is ``q_in,b k_out,aᵀ``; the row factors
+    across halves ``E_in,b ← d_a E_in,b``, ``E_out,a ← d_b E_out,a``, ``d_end = d_a d_b``; documents are
+    counted from each half's start. ``KK``'s upper triangle gets the whole ``(I + A)⁻ᵀ = [[T_aᵀ, −Yᵀ],
+    [0, T_bᵀ]]``, as the backward's whole-chunk kernels read it. Measured on one H200 (bf16, H 16, D 128,
+    C = 64 at 4 warps against the default C = 32 whole-chunk forward): this kernel took 0.307 ms (DeltaNet)
+    and 0.399 (GDN) at (2, 8192) against 0.185 and 0.229, more than the C = 64 state pass saves, so the
+    forward took 0.945× (DeltaNet) and 1.10× (GDN) there, 1.16–1.42× at (8, 2048) and (1, 32768)
+    (docs/benchmarks.md, "Launch knobs")."""
+    assert not cfg.channel, "intra_fwd_halves: scalar or no gates"
+    r, outs = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
+    w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, kk = _whole_outs(cfg, outs)
+    C = cfg.chunk
+    H = C // 2
+    ch = dataclasses.replace(cfg, chunk=H)
+    A, B = pl.ds(0, H), pl.ds(H, H)
+    ra = {n: (None if x is None else _Half(x, 0)) for n, x in r.items()}
+    minus = None if r["doc"] is None else load_rows(r["doc"], H - 1, 1)
+    rb = {n: (None if x is None else _Half(x, 1, minus if n == "doc" else None)) for n, x in r.items()}
+    # half a: stored as it is, except the factors that depend on b's decay
+    _, _, _, _, ein_a, eout_a, d_a, KK, M, tt_a, U, W = _whole_solve(ch, ra, H)
+    u_ref[A, :] = U.astype(u_ref.dtype)
+    w_ref[A, :] = W.astype(w_ref.dtype)
+    m_ref[A, A] = M.astype(m_ref.dtype)
+    m_ref[A, B] = jnp.zeros((H, H), m_ref.dtype)
+    if residuals:
+        ri, ci = iota((H, H), 0), iota((H, H), 1)
+        kk[0][A, A] = jnp.where(ri > ci, KK, tt_a).astype(kk[0].dtype)
+    # half b with the cross terms (a's inputs read again where they are used)
+    q, k, _, beta, ein_b, eout_b, d_b, KK, M, tt_b, _, _ = _whole_solve(ch, rb, H, uw=False)
+    m_ref[B, B] = M.astype(m_ref.dtype)
+    k_out_a = _mul(ra["k"][...].astype(F32), eout_a).astype(ch.mm_dtype)  # [H, K]
+    m_ref[B, A] = (_mul(mm(ch, q, k_out_a, tb=True), ein_b) * cfg.scale).astype(m_ref.dtype)  # q_in,b k_out,aᵀ
+    _store_factors(cfg, qin_ref, kout_ref, B, q, k, _mul(ein_b, d_a), eout_b)
+    KKc = _mul(dot(k, k_out_a, tb=True, precision=ch.solve_prec), ein_b)     # decayed k_b k_aᵀ
+    Y = sm(ch, dot(tt_b, beta * KKc, ta=True, precision=ch.solve_prec), tt_a, tb=True)  # T_b A_ba T_a
+    if residuals:
+        ri, ci = iota((H, H), 0), iota((H, H), 1)
+        kk[0][B, A] = KKc.astype(kk[0].dtype)
+        kk[0][B, B] = jnp.where(ri > ci, KK, tt_b).astype(kk[0].dtype)
+        kk[0][A, B] = (-Y.T).astype(kk[0].dtype)
+    ba, ein_b = ra["beta"][...].astype(F32), _mul(ein_b, d_a)
+    for out, x, fa, fb in ((u_ref, "v", None, None), (w_ref, "k", ein_a, ein_b)):
+        n = min(out.shape[1], _SOLVE_COLS)
+        for c in range(0, out.shape[1], n):  # U_b, W_b in column blocks: two [H, n] products live, not [H, D]
+            cols = pl.ds(c, n)
+            out[B, cols] = (dot(tt_b, _mul(beta * rb[x][:, cols].astype(F32), fb), ta=True, precision=ch.solve_prec)
+                            - mm(ch, Y, _mul(ba * ra[x][:, cols].astype(F32), fa))).astype(out.dtype)
+    _store_factors(cfg, qin_ref, kout_ref, A, ra["q"][...], ra["k"][...], ein_a, _mul(eout_a, d_b))
+    _store_dend(dend_ref, _mul(d_a, d_b))
 
 
 def intra_fwd_fixup(cfg: Cfg, n_in: int, *refs, residuals: bool = True):

@@ -63,7 +63,7 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 GATES = ("none", "scalar", "channel")
-INTRAS = ("tiles", "whole")
+INTRAS = ("tiles", "whole", "halves")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +89,8 @@ class Cfg:
                              # masked sum against the identity (col_to_row)
     intra: str = "tiles"  # the intra-chunk kernels' form (INTRAS): "tiles" (16-row tile pairs) or, without
                           # per-channel gates, "whole" (one [C, C] / [C, D] matmul per product; kernels.intra_fwd_whole)
+                          # or "halves" (the forward's products and solve in two halves of C/2 rows, then merged:
+                          # kernels.intra_fwd_halves; the backward's kernels as "whole")
 
     @property
     def nb(self) -> int:

@@ -26,6 +26,8 @@ import os
 import tempfile
 import time
 
+from .tiles import INTRAS
+
 GATES = ("none", "gdn", "kda", "kda_bounded")
 
 
@@ -192,7 +194,7 @@ def main(argv=None):
                     help="none, gdn: the qk_arrays launch knob (default: the API's)")
     ap.add_argument("--state_pairs", type=int, choices=(0, 1), default=None,
                     help="the state_pairs launch knob (default: the API's)")
-    ap.add_argument("--intra", choices=("tiles", "whole"), default=None,
+    ap.add_argument("--intra", choices=INTRAS, default=None,
                     help="none, gdn: the intra-chunk kernels' form (default: the API's)")
     ap.add_argument("--chunks_per_program", type=int, default=None,
                     help="the backward intra-chunk kernels' chunks per program (default: the API's)")
@@ -228,8 +230,9 @@ def main(argv=None):
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,
                                               api.default_warps_scores(kind, args.num_warps), args.num_warps_state,
-                                              args.num_warps_fwd or api.default_warps_fwd(kind, args.num_warps,
-                                                                                          dtype != "f32"),
+                                              args.num_warps_fwd or api.default_warps_fwd(
+                                                  kind, args.num_warps, dtype != "f32",
+                                                  chunk or api.default_chunk("gpu")),
                                               api.default_warps_solve(args.num_warps, dtype != "f32"), args.sass)
                     ok = ok and good
                     summary.append((label, times))

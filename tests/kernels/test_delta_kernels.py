@@ -295,6 +295,7 @@ def test_default_chunks_per_program():
     assert api.default_chunks_per_program("gpu", "scalar", 4 * G) == 1
     assert api.default_chunks_per_program("gpu", "none", 4 * G + 1) == 1
     assert api.default_chunks_per_program("tpu", "none", 4 * G) == 1
+    assert api.default_chunks_per_program("gpu", "none", 4 * G, 64) == 1  # C > 32: one chunk (shared memory)
     x = jnp.zeros((1, 256, 2, 16), jnp.bfloat16)
     assert api._debug_spec(x, x, x, None, x[..., 0])[0].chunks_per_program == G        # 8 chunks of 32
     assert api._debug_spec(x, x, x, x[..., 0].astype(jnp.float32), x[..., 0])[0].chunks_per_program == 1  # GDN
@@ -318,6 +319,8 @@ def test_default_state_split():
     big = jnp.zeros((1, 32768, 16, 128), jnp.bfloat16)
     s, _ = api._debug_spec(big, big, big, None, big[..., 0])
     assert (s.state_split, s.bv, s.num_warps_state) == (n // 16, api.SPLIT_BV, 8)
+    s, _ = api._debug_spec(big, big, big, None, big[..., 0], chunk_size=64)  # C > 32: narrower blocks
+    assert (s.state_split, s.bv, s.num_warps_state) == (n // 16, api.split_bv(64), 4) and api.split_bv(64) == 64
     s, _ = api._debug_spec(big[:, :256], big[:, :256], big[:, :256], None, big[:, :256, :, 0])
     assert (s.state_split, s.bv, s.num_warps_state) == (1, 16, 4)
     x = make_inputs(6)
@@ -476,6 +479,22 @@ def test_whole_chunk_kernels(rule, gates, docs, C, dtype):
           tuning=(("intra", "whole"),))
 
 
+@pytest.mark.parametrize("rule,gates,docs,C,dtype", [
+    ("gdn", "uniform", True, 64, np.float32), ("delta", "uniform", True, 64, np.float32),
+    ("gdn", "unbounded", True, 64, jnp.bfloat16),
+    pytest.param("delta", "uniform", False, 64, np.float32, marks=pytest.mark.slow),
+    pytest.param("gdn", "unbounded", True, 64, np.float32, marks=pytest.mark.slow),
+    pytest.param("gdn", "uniform", True, 32, np.float32, marks=pytest.mark.slow)])
+def test_halves_forward_kernel(rule, gates, docs, C, dtype):
+    """``intra="halves"``: the forward's intra-chunk kernel solves each half of the chunk whole and merges
+    them (``kernels.intra_fwd_halves``: the cross blocks of ``A``, the scores and the inverse, the row
+    factors across halves; documents counted from each half's start) — forward, final state and every
+    gradient (the backward's whole-chunk kernels read its ``KK``) against the reference."""
+    x = make_inputs(13, gates=gates, dtype=dtype)
+    check(rule, x, docs, 1e-4 if dtype == np.float32 else 1e-2, target="gpu", chunk_size=C,
+          tuning=(("intra", "halves"),))
+
+
 def test_whole_chunk_kernels_are_picked_and_refused_by_name():
     """``intra="auto"`` picks the whole-chunk kernels on GPUs for 16-bit DeltaNet / GDN only; a bad value,
     per-channel gates and the TPU flavour are refused naming ``intra``."""
@@ -494,6 +513,13 @@ def test_whole_chunk_kernels_are_picked_and_refused_by_name():
                      intra="whole")
     with pytest.raises(ValueError, match="intra"):
         kd.chunk_delta_rule(q, k, v, beta, target="tpu", interpret=True, intra="whole")
+    with pytest.raises(ValueError, match="intra"):
+        kd.chunk_delta_rule(q, k, v, beta, target="tpu", interpret=True, intra="halves")
+    with pytest.raises(ValueError, match="intra"):
+        kd.chunk_kda(q, k, v, jnp.broadcast_to(g[..., None], q.shape), beta, target="gpu", interpret=True,
+                     intra="halves")
+    with pytest.raises(ValueError, match="intra.*chunk_size"):
+        kd.chunk_delta_rule(q, k, v, beta, target="gpu", interpret=True, intra="halves", chunk_size=16)
 
 
 @pytest.mark.parametrize("bv,stages", [(16, 1), (32, None)])
