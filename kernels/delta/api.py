@@ -27,8 +27,11 @@ kernels would need the same port. GPU chunks are 32 tokens (two 16-row tiles): T
 time grows steeply with the unrolled tile pairs (see :func:`default_chunk`), and at 64 tokens the
 state passes take about half their time but the forward's intra-chunk kernel 5–7× its own (one
 H200, DeltaNet and GDN; docs/benchmarks.md, "What limits them") — 2.8–2.9× in the whole-chunk form
-(``intra="whole"``, the 16-bit default for DeltaNet and GDN: :func:`default_intra`). Measured against fla's
-Triton kernels in the same process: docs/benchmarks.md.
+(``intra="whole"``, the 16-bit default for DeltaNet and GDN: :func:`default_intra`), 1.7× when it builds the
+chunk from two whole halves (``intra="halves"``, the default at 64), which then pays only for DeltaNet's
+forward and fwd+bwd at (2, 8192) (0.945×, 0.944×; 1.1–1.4× elsewhere). GPU chunks go up to
+``GPU_MAX_CHUNK`` = 64 tokens. Measured against fla's Triton kernels in the same process:
+docs/benchmarks.md.
 
 TPU: Mosaic. Tensors go head-major ``[B, H, T, D]`` so every block's last two
 dims are ``(C, 128·m)`` (chunk rows × lanes; K and V are padded to 128) or equal
@@ -808,8 +811,9 @@ def _pad_dim(n, target):
 def default_chunk(target: str) -> int:
     """Tokens per chunk. GPU: 32 — two 16-row tiles keep the Triton kernels small (compile
     time grows steeply with the unrolled tile pairs: ~9 s at 32 vs ~45 s at 64 per config)
-    and registers in range; forward calls at 64 took 2.3–3.4× with the tile kernels and 1.9–2.1× with the
-    whole-chunk ones (:func:`default_intra`) on one H200 (docs/benchmarks.md);
+    and registers in range; forward calls at 64 took 2.3–3.4× with the tile kernels, 1.9–2.1× with the
+    whole-chunk ones and, with the two-halves forward kernel (:func:`default_intra`), 0.945× for DeltaNet at
+    (2, 8192) but 1.10–1.42× for GDN and at (8, 2048) and (1, 32768), on one H200 (docs/benchmarks.md);
     TPU: 64 (MXU-sized tiles, Mosaic compiles the unrolled code)."""
     return 64 if target == "tpu" else 32
 
@@ -913,7 +917,7 @@ def default_inverse(target: str, gate: str, low: bool) -> str:
     return "blocks" if (target == "gpu" and low and gate in ("none", "scalar")) else "loop"
 
 
-def default_intra(target: str, gate: str, low: bool) -> str:
+def default_intra(target: str, gate: str, low: bool, C: int = 32) -> str:
     """The intra-chunk kernels' form (``intra="auto"``): ``"whole"`` (:func:`kernels.delta.kernels.intra_fwd_whole`
     and the backward's ``*_whole`` kernels: one ``[C, C]`` or ``[C, D]`` matmul per product) on GPUs for 16-bit
     DeltaNet and Gated DeltaNet, ``"tiles"`` (16-row tile pairs) otherwise. Paired on one H200 (bf16, H 16,
@@ -921,8 +925,14 @@ def default_intra(target: str, gate: str, low: bool) -> str:
     tiles: fwd+bwd 0.922–0.943 (DeltaNet) and 0.901–0.904 (GDN) at (2, 8192), (8, 2048) and (1, 32768);
     forward 0.97–0.99. With f32 inputs the whole backward
     scores kernel does not fit (ptxas, sm_90a: 60 KB of spills per thread against the tiles' 3.7–6.0 KB);
-    per-channel gates (KDA) need the tiles' anchored or looped diagonal tiles."""
-    return "whole" if (target == "gpu" and low and gate in ("none", "scalar")) else "tiles"
+    per-channel gates (KDA) need the tiles' anchored or looped diagonal tiles. Chunks above 32 tokens take
+    ``"halves"`` (:func:`kernels.delta.kernels.intra_fwd_halves`: the forward solves two halves whole and
+    merges them; the backward's kernels as "whole"): at C = 64, paired against "whole" (``kernel_bench
+    --parts ab --pallas_chunk 64 --ab intra=halves``, commit fee572b), forward 0.67–0.73×, fwd+bwd
+    0.74–0.77× for DeltaNet and GDN at (2, 8192) and (8, 2048)."""
+    if not (target == "gpu" and low and gate in ("none", "scalar")):
+        return "tiles"
+    return "whole" if C <= 32 else "halves"
 
 
 def default_warps_fwd(gate: str, num_warps: int, low: bool = True, C: int = 32) -> int:
@@ -1049,7 +1059,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if inverse == "auto":
         inverse = default_inverse(target, gate or "none", low)
     if intra == "auto":
-        intra = default_intra(target, gate or "none", low)
+        intra = default_intra(target, gate or "none", low, chunk_size)
     cfg = Cfg(chunk=C, gate=gate or "none", docs=segment_ids is not None, scale=float(scale),
               mm_dtype=io_dtype if low else F32, mm_prec=None if low else f32_prec,
               solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound,

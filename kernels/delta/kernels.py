@@ -16,7 +16,9 @@ On GPUs ``intra_bwd`` runs as two kernels, ``intra_bwd_solve`` (``dv, dβ``) the
 ``intra_bwd_scores`` (``dq, dk, dg``), to keep Triton's register use down (see there). Without
 per-channel gates the three intra-chunk kernels also come in a whole-chunk form (``intra="whole"``:
 :func:`intra_fwd_whole`, :func:`intra_bwd_solve_whole`, :func:`intra_bwd_scores_whole`; one matmul
-per product instead of 16-row tile pairs; the GPU default for 16-bit inputs). With exact
+per product instead of 16-row tile pairs; the GPU default for 16-bit inputs), and the forward in a form
+that builds a chunk from its two whole halves (``intra="halves"``, :func:`intra_fwd_halves`; the default at
+C = 64). With exact
 per-channel gates ``intra_fwd`` runs as two passes on GPUs (``anchored_fwd="fixup"``: the bounded-gate
 kernel everywhere, then :func:`intra_fwd_fixup` on the chunks it flags).
 

@@ -496,15 +496,19 @@ def test_halves_forward_kernel(rule, gates, docs, C, dtype):
 
 
 def test_whole_chunk_kernels_are_picked_and_refused_by_name():
-    """``intra="auto"`` picks the whole-chunk kernels on GPUs for 16-bit DeltaNet / GDN only; a bad value,
-    per-channel gates and the TPU flavour are refused naming ``intra``."""
+    """``intra="auto"`` picks the whole-chunk kernels on GPUs for 16-bit DeltaNet / GDN only (``"halves"`` for
+    chunks above 32 tokens); a bad value, per-channel gates, the TPU flavour and halves of fewer than 16 rows
+    are refused naming ``intra``."""
     assert kd.default_intra("gpu", "scalar", True) == kd.default_intra("gpu", "none", True) == "whole"
     assert kd.default_intra("gpu", "scalar", False) == kd.default_intra("gpu", "channel", True) == "tiles"
     assert kd.default_intra("tpu", "none", True) == "tiles"
+    assert kd.default_intra("gpu", "none", True, 64) == kd.default_intra("gpu", "scalar", True, 64) == "halves"
+    assert kd.default_intra("gpu", "channel", True, 64) == kd.default_intra("gpu", "none", False, 64) == "tiles"
     a = [jnp.zeros((1, 64, 2, 16), jnp.bfloat16)] * 3 + [-jnp.ones((1, 64, 2)), jnp.ones((1, 64, 2), jnp.bfloat16)]
     assert kd._debug_spec(*a)[0].cfg.intra == "whole"
     assert kd._debug_spec(*(x.astype(jnp.float32) for x in a))[0].cfg.intra == "tiles"
     assert kd._debug_spec(*a, intra="tiles")[0].cfg.intra == "tiles"
+    assert kd._debug_spec(*a, chunk_size=64)[0].cfg.intra == "halves"
     q, k, v, g, beta = a
     with pytest.raises(ValueError, match="intra"):
         kd.chunk_gated_delta_rule(q, k, v, g, beta, target="gpu", interpret=True, intra="rows")
