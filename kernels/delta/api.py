@@ -130,8 +130,8 @@ SPLIT_BV = 128
 # GPU backward intra-chunk kernels (chunks_per_program="auto": default_chunks_per_program): each program
 # loops over PROGRAM_CHUNKS chunks, its loads pipelined in PROGRAM_STAGES stages.
 PROGRAM_CHUNKS = 2
-GPU_MAX_CHUNK = 64  # the largest chunk_size the GPU (Triton) kernels take
 PROGRAM_STAGES = 2
+GPU_MAX_CHUNK = 64  # the largest chunk_size of the GPU kernels (their [C, C] blocks live in registers)
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
                        # values they scale before products go subnormal (flushed on tensor cores)
 

@@ -524,6 +524,8 @@ def test_whole_chunk_kernels_are_picked_and_refused_by_name():
                      intra="halves")
     with pytest.raises(ValueError, match="intra.*chunk_size"):
         kd.chunk_delta_rule(q, k, v, beta, target="gpu", interpret=True, intra="halves", chunk_size=16)
+    with pytest.raises(ValueError, match="chunk_size.*GPU"):  # beyond GPU_MAX_CHUNK
+        kd.chunk_delta_rule(q, k, v, beta, target="gpu", interpret=True, chunk_size=2 * kd.GPU_MAX_CHUNK)
 
 
 @pytest.mark.parametrize("bv,stages", [(16, 1), (32, None)])
