@@ -1188,8 +1188,8 @@ _DOC = """
       q, k: ``[B, T, H, K]`` (keys L2-normalized); v: ``[B, T, H, V]``;
       beta: ``[B, T, H]``; ``scale`` multiplies q (default ``K**-0.5``);
       initial_state: ``[B, H, K, V]`` (f32); segment_ids: ``[B, T]`` ints, the
-      state resets where the id changes; chunk_size: a power of two >= 16 (default:
-      :func:`default_chunk` of the target — the result does not depend on it).
+      state resets where the id changes; chunk_size: a power of two >= 16, at most ``GPU_MAX_CHUNK`` (64)
+      on GPUs (default: :func:`default_chunk` of the target — the result does not depend on it).
       target: ``"gpu"`` (Triton-lowered kernels) or ``"tpu"`` (Mosaic-lowered
       kernels); default from ``jax.default_backend()``. interpret: run the kernels
       in the Pallas interpreter (default: on the CPU).
@@ -1208,9 +1208,9 @@ _DOC = """
       ``state_pairs`` (GPU; default False): the forward state pass takes two chunks a step, their
       ``W`` and ``U`` merged in the loop (half the dependent steps, more matmuls per step; slower on
       one H200: forward 0.99–1.62×, fwd+bwd 1.10–1.26×).
-      ``intra`` (``"auto"``, ``"tiles"`` or ``"whole"``): the intra-chunk kernels' form — 16-row tile pairs,
-      or (GPU, scalar or no gates) one ``[C, C]`` / ``[C, D]`` matmul per product; ``"auto"``:
-      :func:`default_intra`.
+      ``intra`` (``"auto"``, ``"tiles"``, ``"whole"`` or ``"halves"``): the intra-chunk kernels' form —
+      16-row tile pairs, or (GPU, scalar or no gates) one ``[C, C]`` / ``[C, D]`` matmul per product, or
+      the forward's from two whole halves of the chunk (C >= 32); ``"auto"``: :func:`default_intra`.
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """

@@ -40,7 +40,7 @@ class MemoryOptions:
         ``kernels.delta`` kernels; interpret mode on a CPU) or ``"auto"`` (Pallas on GPUs and TPUs
         for chunked calls with float32 arithmetic, XLA otherwise).
       chunk_size: tokens per chunk; ``None`` is each backend's own (64 for XLA, the kernels'
-        tile-tuned chunk for Pallas). The kernels take powers of two >= 16.
+        tile-tuned chunk for Pallas). The kernels take powers of two >= 16 (on GPUs up to 64).
       gate_lower_bound: KDA only — a promise that every log-decay is ``>= gate_lower_bound``, in
         ``[-8, 0)`` (K3's ``g = -5·σ(·)`` gives ``-5.0``); the kernels then run the anchored
         bounded-gate form. The rules without a per-channel gate do not read it.
