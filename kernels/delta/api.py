@@ -328,8 +328,21 @@ def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, sta
 # ---------------------------------------------------------------------------
 # The five pallas_calls.
 # ---------------------------------------------------------------------------
+def _gate_in(s: Spec, g):
+    """The gate as the intra-chunk kernels read it: ``g``, or (:func:`kernels.delta.kernels.gate_prefix`)
+    its chunk-local inclusive prefix sums in f32 (one XLA scan)."""
+    if g is None or not kn.gate_prefix(s.cfg):
+        return g
+    ax = 1 if s.target == "gpu" else 2  # the token axis of the laid-out arrays
+    C = s.cfg.chunk
+    x = g.astype(F32)
+    x = x.reshape(x.shape[:ax] + (x.shape[ax] // C, C) + x.shape[ax + 1:])
+    return lax.cumsum(x, axis=ax + 1).reshape(g.shape)
+
+
 def _chunk_inputs(s: Spec, q, k, v, g, beta, doc):
     C, K, V = s.cfg.chunk, s.K, s.V
+    g = _gate_in(s, g)
     tk = _tok_spec(s, C, K, lambda b, h, n: (b, n, h, 0))
     tv = _tok_spec(s, C, V, lambda b, h, n: (b, n, h, 0))
     t1 = _tok_spec(s, C, 1, lambda b, h, n: (b, n, h, 0))

@@ -128,15 +128,24 @@ def intra_fwd(cfg: Cfg, *refs, residuals: bool = True, flag: bool = False):
     dend_ref[...] = d.astype(dend_ref.dtype)
 
 
+def gate_prefix(cfg: Cfg) -> bool:
+    """Whether the kernels read a scalar gate as its chunk-local inclusive prefix sums
+    ``Q_i = Σ_{t <= i} g_t`` (formed in XLA before the kernels, ``api._gate_in``) instead of ``g``: the
+    whole-chunk kernels with 16-bit inputs (:func:`_whole_gates`), whose decays are differences of
+    them — the ``[C, C]`` masked sums that formed them in the kernel took 336 SASS instructions per
+    thread of GDN's forward kernel (3704) and 616 of its scores kernel (3856, with 316 B of spills)."""
+    return cfg.gate == "scalar" and cfg.intra in ("whole", "halves") and cfg.mm_dtype != F32
+
+
 def _whole_gates(cfg: Cfg, r, C: int):
     """Scalar or no gates, whole chunk (:func:`intra_fwd_whole`, :func:`intra_bwd_scores_whole`):
     ``(Γ, E_in, E_out, d_end)`` — ``Γ [C, C]`` the decays on the causal (diagonal included),
     same-document entries, 0 elsewhere; ``E_in, E_out [C, 1]`` and ``d_end [1, 1]`` (None: ones).
 
-    16-bit inputs: with ``P_i = Σ_{0 < t <= i} g_t`` (row 0's own gate left out, as the tiles leave out
-    their anchor rows'), ``Γ_ij = exp(P_i − P_j)``, ``E_in = e^{g_0 + P}``, ``E_out = e^{P_last − P}``,
-    ``d_end = e^{g_0 + P_last}`` — after a huge gate (−1e3) the differences keep ~6e-5 of relative
-    precision, far below the inputs' rounding. f32 inputs: the exponents are formed as
+    16-bit inputs (:func:`gate_prefix`: ``r["g"]`` holds the chunk's prefix sums ``Q_i = Σ_{t <= i} g_t``):
+    ``Γ_ij = exp(Q_i − Q_j)``, ``E_in = e^Q``, ``E_out = e^{Q_last − Q}``, ``d_end = e^{Q_last}`` — after a
+    huge gate (−1e3) the differences keep ~6e-5 of relative precision, far below the inputs' rounding.
+    f32 inputs (``r["g"]`` the gates): the exponents are formed as
     :class:`~kernels.delta.tiles.Chunk` forms them per 16-row tile, so that a huge gate costs the same
     precision as there (f32 ≤ 1e-4 against the reference with gates to −1e3): with ``P_i`` the gates' sum
     over row ``i``'s tile after its first (anchor) row up to ``i``, ``Γ_ij = exp(P_i − P_j)`` within a tile,
@@ -157,18 +166,16 @@ def _whole_gates(cfg: Cfg, r, C: int):
         sees_last = (doc_last == 0.0).astype(F32)
     if not cfg.gated:
         return jnp.where(causal, 1.0, 0.0), sees, last, sees_last
+    if gate_prefix(cfg):  # 16-bit inputs: the chunk's prefix sums
+        Q = r["g"][...].astype(F32)                                          # [C, 1]
+        q_last = load_rows(r["g"], C - 1, 1)                                 # [1, 1]
+        decay = jnp.where(causal, jnp.exp(jnp.where(causal, Q - col_to_row(Q, cfg.transpose), 0.0)), 0.0)
+        return decay, _mul(jnp.exp(Q), sees), _mul(jnp.exp(q_last - Q), last), _mul(jnp.exp(q_last), sees_last)
     g_row = col_to_row(r["g"][...].astype(F32), cfg.transpose)               # [1, C]
 
     def rows(mask):  # [C, 1]: Σ over the columns where mask holds
         return jnp.sum(jnp.where(mask, g_row, 0.0), axis=1, keepdims=True)
 
-    if cfg.mm_dtype != F32:  # 16-bit inputs: the chunk's prefix sums (P: row 0's gate left out) suffice
-        P = rows((ci <= ri) & (ci > 0))
-        g0 = load_rows(r["g"], 0, 1)                                         # [1, 1]
-        p_last = jnp.sum(jnp.where(iota((1, C), 1) > 0, g_row, 0.0), axis=1, keepdims=True)
-        decay = jnp.where(causal, jnp.exp(jnp.where(causal, P - col_to_row(P, cfg.transpose), 0.0)), 0.0)
-        return (decay, _mul(jnp.exp(g0 + P), sees), _mul(jnp.exp(p_last - P), last),
-                _mul(jnp.exp(g0 + p_last), sees_last))
     sh = SUB.bit_length() - 1
     t, tc = lax.shift_right_logical(ri, sh), lax.shift_right_logical(ci, sh)  # tiles of the row, the column
     same, anchor = t == tc, (ci & (SUB - 1)) == 0
@@ -268,7 +275,8 @@ _SOLVE_COLS = 64  # intra_fwd_halves: the column blocks of its last products
 
 class _Half:
     """Half ``h`` (0 or 1) of a ``[C, cols]`` token-block ref, indexed as a ``[C/2, cols]`` block; ``minus``
-    (a ``[1, 1]`` value) is subtracted from what it reads (the document index, counted from the half's start)."""
+    (a ``[1, 1]`` value) is subtracted from what it reads (a document index or a gate prefix sum, then counted
+    from the half's start)."""
 
     def __init__(self, ref, h, minus=None):
         self.ref, self.h, self.minus = ref, h, minus
@@ -317,8 +325,10 @@ def intra_fwd_halves(cfg: Cfg, *refs, residuals: bool = True):
     ch = dataclasses.replace(cfg, chunk=H)
     A, B = pl.ds(0, H), pl.ds(H, H)
     ra = {n: (None if x is None else _Half(x, 0)) for n, x in r.items()}
-    minus = None if r["doc"] is None else load_rows(r["doc"], H - 1, 1)
-    rb = {n: (None if x is None else _Half(x, 1, minus if n == "doc" else None)) for n, x in r.items()}
+    # half b counts documents, and prefix-summed gates (gate_prefix), from its own start
+    counted = [n for n in ("doc", "g") if r[n] is not None and (n == "doc" or gate_prefix(cfg))]
+    minus = {n: load_rows(r[n], H - 1, 1) for n in counted}
+    rb = {n: (None if x is None else _Half(x, 1, minus.get(n))) for n, x in r.items()}
     # half a: stored as it is, except the factors that depend on b's decay
     _, _, _, _, ein_a, eout_a, d_a, KK, M, tt_a, U, W = _whole_solve(ch, ra, H)
     u_ref[A, :] = U.astype(u_ref.dtype)
