@@ -132,8 +132,10 @@ def gate_prefix(cfg: Cfg) -> bool:
     """Whether the kernels read a scalar gate as its chunk-local inclusive prefix sums
     ``Q_i = Σ_{t <= i} g_t`` (formed in XLA before the kernels, ``api._gate_in``) instead of ``g``: the
     whole-chunk kernels with 16-bit inputs (:func:`_whole_gates`), whose decays are differences of
-    them — the ``[C, C]`` masked sums that formed them in the kernel took 336 SASS instructions per
-    thread of GDN's forward kernel (3704) and 616 of its scores kernel (3856, with 316 B of spills)."""
+    them. Formed in the kernels by ``[C, C]`` masked sums they took GDN's forward kernel from 3352 to 3704
+    SASS instructions per thread and its scores kernel from 3216 to 3856 (spill stores 16 → 332 B; bf16,
+    triton 3.6); paired on one H200 (``kernel_bench --parts ab --ab_ref``, commit c1628d6 against the
+    one before): GDN fwd+bwd 0.930 (2, 8192), 0.924 (8, 2048), 0.951 (1, 32768); forward 0.956–0.981."""
     return cfg.gate == "scalar" and cfg.intra in ("whole", "halves") and cfg.mm_dtype != F32
 
 
