@@ -847,8 +847,8 @@ def default_bv(BH: int, V: int) -> int:
 def default_chunks_per_program(target: str, gate: str, N: int, C: int = 32) -> int:
     """Chunks per program of the backward's intra-chunk kernels (``chunks_per_program="auto"``): on
     GPUs ``PROGRAM_CHUNKS`` where it divides the chunk count, except for scalar gates (GDN), whose
-    scores kernel spills and took longer looping (paired, one H200: DeltaNet and KDA fwd+bwd
-    0.88–0.96×, GDN 1.05×; ``docs/benchmarks.md``), and except for chunks above 32 tokens, whose looped
+    scores kernel took longer looping (paired, one H200: DeltaNet and KDA fwd+bwd 0.88–0.96×, GDN 1.05×
+    with the tile kernels, 1.007–1.014× with the whole-chunk ones; ``docs/benchmarks.md``), and except for chunks above 32 tokens, whose looped
     scores kernels' pipelined loads do not fit a Hopper GPU's 227 KB of shared memory (Triton 3.6,
     bf16, C = 64: 408 KB for DeltaNet's whole-chunk kernel, 288 KB for KDA's); 1 on TPUs."""
     if target != "gpu" or gate == "scalar" or N % PROGRAM_CHUNKS or C > 32:
