@@ -1106,6 +1106,10 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
             or N % chunks_per_program or (chunks_per_program > 1 and target != "gpu"):
         raise ValueError(f"`chunks_per_program` must be 'auto' or a positive int dividing the number of chunks "
                          f"(T = {T} is {N} chunks of {C}; above 1 on GPUs only), got {chunks_per_program!r}")
+    elif chunks_per_program > 1 and C > 32:
+        raise ValueError(f"`chunks_per_program` above 1 needs `chunk_size` <= 32 (looped, the backward's scores kernels "
+                         f"at C = {C} ask for more than a Hopper GPU's 227 KB of shared memory), got "
+                         f"{chunks_per_program!r}")
     BHs = B * state_split * H  # sequences × heads the state passes run on
     if state_bwd == "auto":
         state_bwd = "triton" if target == "tpu" else default_state_bwd(BHs, C, K, V, io_dtype, bool(interpret),

@@ -274,8 +274,8 @@ def test_chunks_per_program(rule, G, order):
     """``chunks_per_program``: each program of the backward's intra-chunk kernels loops over G chunks
     of a G-chunk block (``api._ChunkView``; here all 3 chunks of a sequence) — forward, final state
     and every gradient equal the reference's, with resets and an initial state; G must divide the
-    chunk count and is GPU-only (both named). With ``grid_order`` the grouped grid is launched in
-    that order."""
+    chunk count, is GPU-only and above 1 needs chunks of at most 32 tokens (all named). With
+    ``grid_order`` the grouped grid is launched in that order."""
     check(rule, make_inputs(11), True, 1e-4, tuning=(("chunks_per_program", G), ("grid_order", order)))
     x = make_inputs(6)
     q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
@@ -283,6 +283,8 @@ def test_chunks_per_program(rule, G, order):
         kd.chunk_delta_rule(q, k, v, beta, chunk_size=16, target="gpu", chunks_per_program=3)
     with pytest.raises(ValueError, match="chunks_per_program"):
         kd.chunk_delta_rule(q, k, v, beta, target="tpu", chunks_per_program=2)
+    with pytest.raises(ValueError, match="chunks_per_program.*chunk_size"):  # C = 64: shared memory
+        kd.chunk_delta_rule(q, k, v, beta, target="gpu", interpret=True, chunks_per_program=2, chunk_size=64)
 
 
 def test_default_chunks_per_program():
