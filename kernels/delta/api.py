@@ -876,7 +876,7 @@ def default_state_split(target: str, BH: int, N: int, V: int) -> int:
 def split_bv(C: int) -> int:
     """GPU: the value blocks of split state passes (:func:`default_state_split`): ``SPLIT_BV``, or 64 for
     chunks above 32 tokens, whose pipelined loads at 128 columns do not fit a Hopper GPU's 227 KB of
-    shared memory (Triton 3.6, bf16, C = 64: the forward pass 244 KB at 128 columns, 208 KB at 64)."""
+    shared memory (Triton 3.6, bf16, C = 64: the forward pass 248 KB at 128 columns, 208 KB at 64)."""
     return SPLIT_BV if C <= 32 else min(SPLIT_BV, 64)
 
 
