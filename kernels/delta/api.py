@@ -236,48 +236,9 @@ def _reorder(s: Spec, grid, in_specs, out_specs):
     return tuple(grid[p] for p in perm), [spec(b) for b in in_specs], outs
 
 
-class _ChunkView:
-    """Chunk ``g`` of a block of G chunks, indexed as the one-chunk block a kernel body expects:
-    token blocks ``[G·C, cols]`` by row offset ``g·C``, chunk blocks ``[G, R, cols]`` by leading
-    index ``g`` (Triton refs take one indexer, so the offset is folded into each access)."""
-
-    def __init__(self, ref, g, rows):
-        self.ref, self.g, self.rows = ref, g, rows  # rows: C (token block) or None (chunk block)
-
-    @property
-    def shape(self):
-        return self.ref.shape[1:] if self.rows is None else (self.rows,) + tuple(self.ref.shape[1:])
-
-    @property
-    def dtype(self):
-        return self.ref.dtype
-
-    def _index(self, idx):
-        idx = idx if isinstance(idx, tuple) else (idx,)
-        if self.rows is None:
-            return (self.g,) + idx
-        if idx and idx[0] is Ellipsis:
-            idx = (slice(None),) * len(self.shape)
-        first, rest = idx[0], idx[1:]
-        off = self.g * self.rows
-        if isinstance(first, slice) and first == slice(None):
-            first = pl.ds(off, self.rows)
-        elif isinstance(first, pl.Slice):
-            first = pl.ds(off + first.start, first.size)
-        else:
-            first = off + first
-        return (first,) + tuple(rest)
-
-    def __getitem__(self, idx):
-        return self.ref[self._index(idx)]
-
-    def __setitem__(self, idx, value):
-        self.ref[self._index(idx)] = value
-
-
 def _grouped(s: Spec, body, grid, in_specs, out_specs):
     """The ``(b, h, n)`` parallel grid of a backward intra-chunk kernel with ``s.chunks_per_program`` =
-    G chunks per program: blocks of G chunks, the body run on each in a loop (``_ChunkView``), so
+    G chunks per program: blocks of G chunks, the body run on each in a loop (``kernels.ChunkView``), so
     that Triton's pipeliner loads a chunk's inputs while the previous one computes."""
     G, C = s.chunks_per_program, s.cfg.chunk
 
@@ -296,7 +257,7 @@ def _grouped(s: Spec, body, grid, in_specs, out_specs):
 
     def grouped(*refs):
         def one(g, carry):
-            body(*(_ChunkView(r, g, n) for r, n in zip(refs, rows)))
+            body(*(kn.ChunkView(r, g, n) for r, n in zip(refs, rows)))
             return carry
         lax.fori_loop(0, G, one, 0)
 

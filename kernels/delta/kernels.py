@@ -275,32 +275,47 @@ def intra_fwd_whole(cfg: Cfg, *refs, residuals: bool = True):
 _SOLVE_COLS = 64  # intra_fwd_halves: the column blocks of its last products
 
 
-class _Half:
-    """Half ``h`` (0 or 1) of a ``[C, cols]`` token-block ref, indexed as a ``[C/2, cols]`` block; ``minus``
-    (a ``[1, 1]`` value) is subtracted from what it reads (a document index or a gate prefix sum, then counted
-    from the half's start)."""
+class ChunkView:
+    """Chunk ``g`` of a block of G chunks, indexed as the one-chunk block a kernel body expects:
+    token blocks ``[G·C, cols]`` by row offset ``g·C``, chunk blocks ``[G, R, cols]`` by leading
+    index ``g`` (Triton refs take one indexer, so the offset is folded into each access). Used for
+    the chunks a backward program loops over (``api._grouped``) and for the halves of a chunk
+    (:func:`intra_fwd_halves`, G = 2); ``minus`` (a ``[1, 1]`` value) is subtracted from what it reads
+    (a document index or a gate prefix sum, then counted from the view's first row)."""
 
-    def __init__(self, ref, h, minus=None):
-        self.ref, self.h, self.minus = ref, h, minus
-        self.n = ref.shape[0] // 2
+    def __init__(self, ref, g, rows, minus=None):
+        self.ref, self.g, self.rows, self.minus = ref, g, rows, minus  # rows: C (token block) or None (chunk block)
 
     @property
     def shape(self):
-        return (self.n,) + tuple(self.ref.shape[1:])
+        return self.ref.shape[1:] if self.rows is None else (self.rows,) + tuple(self.ref.shape[1:])
 
     @property
     def dtype(self):
         return self.ref.dtype
 
-    def __getitem__(self, idx):
+    def _index(self, idx):
         idx = idx if isinstance(idx, tuple) else (idx,)
+        if self.rows is None:
+            return (self.g,) + idx
+        if idx and idx[0] is Ellipsis:
+            idx = (slice(None),) * len(self.shape)
         first, rest = idx[0], idx[1:]
-        if first is Ellipsis or (isinstance(first, slice) and first == slice(None)):
-            first, rest = pl.ds(self.h * self.n, self.n), (rest if first is not Ellipsis else ())
-        else:  # pl.ds(start, size)
-            first = pl.ds(self.h * self.n + first.start, first.size)
-        x = self.ref[(first,) + tuple(rest)]
+        off = self.g * self.rows
+        if isinstance(first, slice) and first == slice(None):
+            first = pl.ds(off, self.rows)
+        elif isinstance(first, pl.Slice):
+            first = pl.ds(off + first.start, first.size)
+        else:
+            first = off + first
+        return (first,) + tuple(rest)
+
+    def __getitem__(self, idx):
+        x = self.ref[self._index(idx)]
         return x if self.minus is None else x - self.minus
+
+    def __setitem__(self, idx, value):
+        self.ref[self._index(idx)] = value
 
 
 def intra_fwd_halves(cfg: Cfg, *refs, residuals: bool = True):
@@ -326,11 +341,11 @@ def intra_fwd_halves(cfg: Cfg, *refs, residuals: bool = True):
     H = C // 2
     ch = dataclasses.replace(cfg, chunk=H)
     A, B = pl.ds(0, H), pl.ds(H, H)
-    ra = {n: (None if x is None else _Half(x, 0)) for n, x in r.items()}
+    ra = {n: (None if x is None else ChunkView(x, 0, H)) for n, x in r.items()}
     # half b counts documents, and prefix-summed gates (gate_prefix), from its own start
     counted = [n for n in ("doc", "g") if r[n] is not None and (n == "doc" or gate_prefix(cfg))]
     minus = {n: load_rows(r[n], H - 1, 1) for n in counted}
-    rb = {n: (None if x is None else _Half(x, 1, minus.get(n))) for n, x in r.items()}
+    rb = {n: (None if x is None else ChunkView(x, 1, H, minus.get(n))) for n, x in r.items()}
     # half a: stored as it is, except the factors that depend on b's decay
     _, _, _, _, ein_a, eout_a, d_a, KK, M, tt_a, U, W = _whole_solve(ch, ra, H)
     u_ref[A, :] = U.astype(u_ref.dtype)

@@ -272,7 +272,7 @@ def test_grid_order(rule, target, order):
                                            pytest.param("delta", 3, "bhn", marks=pytest.mark.slow)])
 def test_chunks_per_program(rule, G, order):
     """``chunks_per_program``: each program of the backward's intra-chunk kernels loops over G chunks
-    of a G-chunk block (``api._ChunkView``; here all 3 chunks of a sequence) — forward, final state
+    of a G-chunk block (``kernels.ChunkView``; here all 3 chunks of a sequence) — forward, final state
     and every gradient equal the reference's, with resets and an initial state; G must divide the
     chunk count, is GPU-only and above 1 needs chunks of at most 32 tokens (all named). With
     ``grid_order`` the grouped grid is launched in that order."""
