@@ -809,9 +809,10 @@ def default_chunks_per_program(target: str, gate: str, N: int, C: int = 32) -> i
     """Chunks per program of the backward's intra-chunk kernels (``chunks_per_program="auto"``): on
     GPUs ``PROGRAM_CHUNKS`` where it divides the chunk count, except for scalar gates (GDN), whose
     scores kernel took longer looping (paired, one H200: DeltaNet and KDA fwd+bwd 0.88–0.96×, GDN 1.05×
-    with the tile kernels, 1.007–1.014× with the whole-chunk ones; ``docs/benchmarks.md``), and except for chunks above 32 tokens, whose looped
-    scores kernels' pipelined loads do not fit a Hopper GPU's 227 KB of shared memory (Triton 3.6,
-    bf16, C = 64: 408 KB for DeltaNet's whole-chunk kernel, 288 KB for KDA's); 1 on TPUs."""
+    with the tile kernels, 1.007–1.014× with the whole-chunk ones; ``docs/benchmarks.md``), and except
+    for chunks above 32 tokens, whose looped scores kernels' pipelined loads do not fit a Hopper GPU's
+    227 KB of shared memory (Triton 3.6, bf16, C = 64: 408 KB for DeltaNet's whole-chunk kernel, 288 KB
+    for KDA's); 1 on TPUs."""
     if target != "gpu" or gate == "scalar" or N % PROGRAM_CHUNKS or C > 32:
         return 1
     return PROGRAM_CHUNKS
@@ -1068,8 +1069,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`chunks_per_program` must be 'auto' or a positive int dividing the number of chunks "
                          f"(T = {T} is {N} chunks of {C}; above 1 on GPUs only), got {chunks_per_program!r}")
     elif chunks_per_program > 1 and C > 32:
-        raise ValueError(f"`chunks_per_program` above 1 needs `chunk_size` <= 32 (looped, the backward's scores kernels "
-                         f"at C = {C} ask for more than a Hopper GPU's 227 KB of shared memory), got "
+        raise ValueError(f"`chunks_per_program` above 1 needs `chunk_size` <= 32 (looped, the backward's scores "
+                         f"kernels at C = {C} ask for more than a Hopper GPU's 227 KB of shared memory), got "
                          f"{chunks_per_program!r}")
     BHs = B * state_split * H  # sequences × heads the state passes run on
     if state_bwd == "auto":

@@ -329,11 +329,11 @@ def intra_fwd_halves(cfg: Cfg, *refs, residuals: bool = True):
     64-column blocks, to keep registers down). The scores' cross block is ``q_in,b k_out,aᵀ``; the row factors
     across halves ``E_in,b ← d_a E_in,b``, ``E_out,a ← d_b E_out,a``, ``d_end = d_a d_b``; documents are
     counted from each half's start. ``KK``'s upper triangle gets the whole ``(I + A)⁻ᵀ = [[T_aᵀ, −Yᵀ],
-    [0, T_bᵀ]]``, as the backward's whole-chunk kernels read it. Measured on one H200 (bf16, H 16, D 128,
-    C = 64 at 4 warps against the default C = 32 whole-chunk forward): this kernel took 0.307 ms (DeltaNet)
+    [0, T_bᵀ]]``, as the backward's whole-chunk kernels read it. Measured on one H200 (commit fee572b, bf16,
+    H 16, D 128, C = 64 at 4 warps against the default C = 32 whole-chunk forward): this kernel took 0.307 ms (DeltaNet)
     and 0.399 (GDN) at (2, 8192) against 0.185 and 0.229, more than the C = 64 state pass saves, so the
     forward took 0.945× (DeltaNet) and 1.10× (GDN) there, 1.16–1.42× at (8, 2048) and (1, 32768)
-    (docs/benchmarks.md, "Launch knobs")."""
+    (docs/benchmarks.md, "Chunks of 64 from two halves")."""
     assert not cfg.channel, "intra_fwd_halves: scalar or no gates"
     r, outs = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
     w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, kk = _whole_outs(cfg, outs)
