@@ -201,15 +201,19 @@ def _whole_in(cfg: Cfg, ref):
     return x if cfg.mm_dtype != F32 else x.astype(F32)
 
 
-def _whole_solve(cfg: Cfg, r, C: int, uw: bool = True):
+def _whole_solve(cfg: Cfg, r, C: int, uw: bool = True, factors=None):
     """One chunk's (or half-chunk's, :func:`intra_fwd_halves`) whole-chunk forward products from the input
     refs ``r``: ``(q, k, v, beta, ein, eout, d_end, KK, M, tt, U, W)`` — ``KK`` the decayed ``k kᵀ`` (strictly
     lower), ``M`` the decayed, scaled scores, ``tt = (I + A)⁻ᵀ``, ``U``, ``W`` in f32 (None unless ``uw``);
-    gates :func:`_whole_gates`."""
+    gates :func:`_whole_gates`. ``factors(q, k, ein, eout)``, if given, runs right after the gates, before
+    the ``[C, C]`` products are live: :func:`intra_fwd_whole` stores ``q_in``/``k_out`` there (stored after
+    the solve, the "arrays" mode of :func:`row_factors` spilled 664 B per thread; bf16, triton 3.6)."""
     ri, ci = iota((C, C), 0), iota((C, C), 1)
     q, k, v = _whole_in(cfg, r["q"]), _whole_in(cfg, r["k"]), _whole_in(cfg, r["v"])
     beta = r["beta"][...].astype(F32)                                        # [C, 1]
     decay, ein, eout, d_end = _whole_gates(cfg, r, C)
+    if factors is not None:
+        factors(r["q"][...], r["k"][...], ein, eout)
     # 16-bit inputs: k kᵀ from the stored values with f32 accumulation is the solve's tf32 product exactly
     KK = jnp.where(ri > ci, dot(k, k, tb=True, precision=cfg.solve_prec) * decay, 0.0)
     M = mm(cfg, q, k, tb=True) * (decay * cfg.scale)
@@ -262,11 +266,11 @@ def intra_fwd_whole(cfg: Cfg, *refs, residuals: bool = True):
     w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, kk = _whole_outs(cfg, outs)
     C = cfg.chunk
     ri, ci = iota((C, C), 0), iota((C, C), 1)
-    q, k, _, _, ein, eout, d_end, KK, M, tt, U, W = _whole_solve(cfg, r, C)
+    *_, d_end, KK, M, tt, U, W = _whole_solve(
+        cfg, r, C, factors=lambda q, k, ein, eout: _store_factors(cfg, qin_ref, kout_ref, slice(None), q, k, ein, eout))
     u_ref[...] = U.astype(u_ref.dtype)
     w_ref[...] = W.astype(w_ref.dtype)
     m_ref[...] = M.astype(m_ref.dtype)
-    _store_factors(cfg, qin_ref, kout_ref, slice(None), q, k, ein, eout)
     if residuals:
         kk[0][...] = jnp.where(ri > ci, KK, tt).astype(kk[0].dtype)
     _store_dend(dend_ref, d_end)
