@@ -167,6 +167,7 @@ class Spec:
     grid_order: str = "bhn"  # launch order of the intra-chunk and output kernels' grid (GRID_ORDERS)
     chunks_per_program: int = 1  # GPU: chunks each program of the backward's intra-chunk kernels loops over (_grouped)
     state_pairs: bool = False  # GPU: the forward state pass takes two chunks a step (kernels._pair_step)
+    train_qk_arrays: bool = False  # cfg.qk_arrays of a differentiated call (_train_spec; cfg: undifferentiated)
 
 
 # ---------------------------------------------------------------------------
@@ -728,7 +729,16 @@ def _chunked(s: Spec, q, k, v, g, beta, doc, h0):
     return _forward(s, q, k, v, g, beta, doc, h0)
 
 
+def _train_spec(s: Spec) -> Spec:
+    """The spec of a differentiated call: ``cfg.qk_arrays`` as ``Spec.train_qk_arrays`` says
+    (:func:`default_qk_arrays`); the forward and backward halves of the ``custom_vjp`` both take it."""
+    if s.cfg.qk_arrays == s.train_qk_arrays:
+        return s
+    return dataclasses.replace(s, cfg=dataclasses.replace(s.cfg, qk_arrays=s.train_qk_arrays))
+
+
 def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
+    s = _train_spec(s)
     # The kernels' residuals carry a name, so a remat policy can keep them instead of running the
     # forward kernels again in the backward pass (``save_only_these_names``). The kernel that takes
     # the output (the state pass, or the output kernel) reads the *named* values, and ``o`` is named
@@ -749,6 +759,7 @@ def _chunked_fwd(s, q, k, v, g, beta, doc, h0):
 
 
 def _chunked_bwd(s, res, cts):
+    s = _train_spec(s)
     q, k, v, g, beta, doc, W, M, qin, kout, dend, KK, h, ut, A = res
     do, dsT = cts
     do = do.astype(q.dtype)
@@ -911,6 +922,21 @@ def default_intra(target: str, gate: str, low: bool, C: int = 32) -> str:
     return "whole" if C <= 32 else "halves"
 
 
+def default_qk_arrays(target: str, gate: str, intra: str) -> bool:
+    """``qk_arrays="auto"`` in a differentiated call: whether the training forward's intra-chunk kernel
+    writes ``q ⊙ E_in`` and ``k ⊙ E_out`` as ``[T, K]`` arrays for the state passes (True) or two
+    ``[T, 1]`` row-factor columns (:func:`kernels.delta.kernels.row_factors`); an undifferentiated call
+    always takes the columns. True on GPUs for a scalar gate (GDN) with the whole-chunk kernels (16-bit
+    inputs, C = 32). Paired on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab --ab qk_arrays=1
+    --rules gdn``, commit 8f210f8; ``knobs_h200.json``, ``paired.qk_arrays_whole``): fwd+bwd 0.952
+    (2, 8192), 0.979 (8, 2048), 0.965 (1, 32768); GPU time at (2, 8192): state passes 0.337 / 0.357 ms
+    (forward / backward) against 0.400 / 0.433 with the columns, the intra-chunk forward kernel 0.310
+    against 0.260 (the two arrays' writes). The forward alone took 1.064, 1.099 and 0.986 — hence the
+    columns there. Not measured: the halves kernel (C = 64) and documents without a gate; with the 16-row
+    tile kernels (f32 inputs) the arrays spilled and took fwd+bwd 1.04–1.07×."""
+    return target == "gpu" and gate == "scalar" and intra == "whole"
+
+
 def default_warps_fwd(gate: str, num_warps: int, low: bool = True, C: int = 32) -> int:
     """GPU: warps of the forward's intra-chunk kernel (scores, the UT solve, ``W``, ``U``). With 16-bit
     inputs (``low``) and without per-channel gates it runs with 2. Paired on one H200 (bf16, H 16,
@@ -983,7 +1009,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
              state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto",
-             anchored_fwd="fixup", qk_arrays=False, state_pairs=False, intra="auto"):
+             anchored_fwd="fixup", qk_arrays="auto", state_pairs=False, intra="auto"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -1036,6 +1062,10 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         inverse = default_inverse(target, gate or "none", low)
     if intra == "auto":
         intra = default_intra(target, gate or "none", low, chunk_size)
+    if not (qk_arrays == "auto" or isinstance(qk_arrays, bool)):
+        raise ValueError(f"`qk_arrays` must be 'auto', True or False, got {qk_arrays!r}")
+    train_qk_arrays = default_qk_arrays(target, gate or "none", intra) if qk_arrays == "auto" else qk_arrays
+    qk_arrays = False if qk_arrays == "auto" else qk_arrays
     cfg = Cfg(chunk=C, gate=gate or "none", docs=segment_ids is not None, scale=float(scale),
               mm_dtype=io_dtype if low else F32, mm_prec=None if low else f32_prec,
               solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound,
@@ -1047,8 +1077,6 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`anchored_bwd` must be one of {ANCHORED_BWD}, got {anchored_bwd!r}")
     if anchored_fwd not in ANCHORED_FWD:
         raise ValueError(f"`anchored_fwd` must be one of {ANCHORED_FWD}, got {anchored_fwd!r}")
-    if not isinstance(qk_arrays, bool):
-        raise ValueError(f"`qk_arrays` must be True or False, got {qk_arrays!r}")
     if not isinstance(fuse_output, bool):
         raise ValueError(f"`fuse_output` must be True or False, got {fuse_output!r}")
     if not isinstance(state_pairs, bool):
@@ -1107,7 +1135,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
                               else int(num_warps_solve)),
              anchored_bwd=anchored_bwd, anchored_fwd=anchored_fwd, fuse_output=fuse_output, state_bwd=state_bwd,
              state_split=state_split, grid_order=grid_order, chunks_per_program=chunks_per_program,
-             state_pairs=state_pairs)
+             state_pairs=state_pairs, train_qk_arrays=train_qk_arrays)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)
@@ -1181,10 +1209,11 @@ _DOC = """
       ``grid_order`` (launch order of the parallel kernels' grid: ``GRID_ORDERS``) and
       ``chunks_per_program`` (``"auto"`` or G: on GPUs each program of the backward's intra-chunk
       kernels loops over G chunks, pipelining their loads; G divides the chunk count).
-      ``qk_arrays`` (scalar gates and documents; default False): the forward kernel writes
+      ``qk_arrays`` (scalar gates and documents; ``"auto"``, True or False): the forward kernel writes
       ``q ⊙ E_in`` and ``k ⊙ E_out`` as ``[T, K]`` arrays for the state passes, as per-channel gates
       do, instead of two ``[T, 1]`` row-factor columns (more bytes, fewer instructions per state
-      step; slower on one H200: GDN forward 1.26–1.41×, fwd+bwd 1.04–1.07×).
+      step); ``"auto"``: arrays in a differentiated call where :func:`default_qk_arrays` says so
+      (GDN with the whole-chunk kernels), columns otherwise; True / False: the same in every call.
       ``state_pairs`` (GPU; default False): the forward state pass takes two chunks a step, their
       ``W`` and ``U`` merged in the loop (half the dependent steps, more matmuls per step; slower on
       one H200: forward 0.99–1.62×, fwd+bwd 1.10–1.26×).

@@ -429,6 +429,32 @@ def test_qk_arrays(rule, dtype):
         assert kn.row_factors(kd._debug_spec(*a)[0].cfg) == "columns"
 
 
+def test_qk_arrays_auto():
+    """``qk_arrays="auto"`` (the default): a differentiated call of 16-bit GDN (whole-chunk kernels) has the
+    forward kernel write ``q ⊙ E_in``, ``k ⊙ E_out`` as arrays (:func:`api.default_qk_arrays`), an
+    undifferentiated one the row-factor columns; both match the reference (the differentiated one with
+    every gradient), and True / False apply to both."""
+    assert kd.default_qk_arrays("gpu", "scalar", "whole")
+    assert not any([kd.default_qk_arrays("gpu", "scalar", "halves"), kd.default_qk_arrays("gpu", "scalar", "tiles"),
+                    kd.default_qk_arrays("gpu", "none", "whole"), kd.default_qk_arrays("tpu", "scalar", "tiles")])
+    x = make_inputs(14, dtype=jnp.bfloat16)
+    a = [jnp.asarray(x[n]) for n in ("q", "k", "v", "gs", "beta")]
+    rows = lambda s: (kn.row_factors(s.cfg), kn.row_factors(kd._train_spec(s).cfg))  # noqa: E731
+    assert rows(kd._debug_spec(*a)[0]) == ("columns", "arrays")
+    assert rows(kd._debug_spec(*a, qk_arrays=False)[0]) == ("columns", "columns")
+    assert rows(kd._debug_spec(*a, qk_arrays=True)[0]) == ("arrays", "arrays")
+    assert rows(kd._debug_spec(*(t.astype(jnp.float32) for t in a))[0]) == ("columns", "columns")
+    check("gdn", x, True, 1e-2)
+    q, k, v, gs, beta = a
+    kw = dict(initial_state=jnp.asarray(x["S0"]), segment_ids=jnp.asarray(x["seg"]))
+    o1, s1 = jax.jit(lambda *t: kd.chunk_gated_delta_rule(*t, target="gpu", interpret=True, **kw))(q, k, v, gs, beta)
+    f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
+    o0, s0 = kref.recurrent(f32(q), f32(k), f32(v), f32(beta), f32(gs), **kw)
+    assert rel_err(o1, o0) <= 1e-2 and rel_err(s1, s0) <= 1e-2, (rel_err(o1, o0), rel_err(s1, s0))
+    with pytest.raises(ValueError, match="qk_arrays"):
+        kd.chunk_gated_delta_rule(q, k, v, gs, beta, target="gpu", interpret=True, qk_arrays="on")
+
+
 @pytest.mark.parametrize("rule,T_,dtype", [("gdn", 75, np.float32), ("kda", 64, np.float32),
                                            pytest.param("delta", 64, np.float32, marks=pytest.mark.slow),
                                            pytest.param("kda_bounded", 75, np.float32, marks=pytest.mark.slow),
