@@ -784,7 +784,7 @@ def parse_tuning(ap, flag, text) -> dict:
         elif key in ("state_split", "chunks_per_program") and val == "auto":
             out[key] = val
         elif key in ("bv", "num_warps", "num_warps_state", "num_stages_state", "num_warps_scores", "num_warps_fwd",
-                     "num_warps_solve", "state_split", "chunks_per_program", "chunk_size"):
+                     "num_warps_solve", "state_split", "chunks_per_program", "chunk_size", "fixup_chunks"):
             try:
                 out[key] = int(val)
             except ValueError:

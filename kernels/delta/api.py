@@ -168,6 +168,7 @@ class Spec:
     chunks_per_program: int = 1  # GPU: chunks each program of the backward's intra-chunk kernels loops over (_grouped)
     state_pairs: bool = False  # GPU: the forward state pass takes two chunks a step (kernels._pair_step)
     train_qk_arrays: bool = False  # cfg.qk_arrays of a differentiated call (_train_spec; cfg: undifferentiated)
+    fixup_chunks: int = 1  # GPU, anchored_fwd="fixup": chunks each program of the second forward pass checks
 
 
 # ---------------------------------------------------------------------------
@@ -237,11 +238,12 @@ def _reorder(s: Spec, grid, in_specs, out_specs):
     return tuple(grid[p] for p in perm), [spec(b) for b in in_specs], outs
 
 
-def _grouped(s: Spec, body, grid, in_specs, out_specs):
-    """The ``(b, h, n)`` parallel grid of a backward intra-chunk kernel with ``s.chunks_per_program`` =
-    G chunks per program: blocks of G chunks, the body run on each in a loop (``kernels.ChunkView``), so
-    that Triton's pipeliner loads a chunk's inputs while the previous one computes."""
-    G, C = s.chunks_per_program, s.cfg.chunk
+def _grouped(s: Spec, G: int, body, grid, in_specs, out_specs):
+    """The ``(b, h, n)`` parallel grid of an intra-chunk kernel with G chunks per program (the backward's:
+    ``s.chunks_per_program``; exact KDA's second forward pass: ``s.fixup_chunks``): blocks of G chunks,
+    the body run on each in a loop (``kernels.ChunkView``), so that Triton's pipeliner loads a chunk's
+    inputs while the previous one computes (and fewer programs start where most chunks have nothing to do)."""
+    C = s.cfg.chunk
 
     def spec(bs):
         shape = list(bs.block_shape)
@@ -268,9 +270,9 @@ def _grouped(s: Spec, body, grid, in_specs, out_specs):
 
 
 def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, state=False, scratch=(), warps=None,
-          group=False, aliases=None):
-    """``group``: a backward intra-chunk kernel, whose programs loop over ``s.chunks_per_program`` chunks;
-    ``aliases``: ``{input index: output index}`` (the output starts as that input's buffer)."""
+          group=1, aliases=None):
+    """``group``: chunks each program of an intra-chunk kernel loops over (:func:`_grouped`; 1: one a
+    program); ``aliases``: ``{input index: output index}`` (the output starts as that input's buffer)."""
     kw = {}
     if scratch:
         kw["scratch_shapes"] = list(scratch)
@@ -278,8 +280,8 @@ def _call(s: Spec, body, *, grid, in_specs, out_specs, out_shape, semantics, sta
         kw["input_output_aliases"] = dict(aliases)
     stages = None
     if semantics == ("parallel",) * 3 and not state:  # the (b, h, n) parallel grids
-        if group and s.chunks_per_program > 1:
-            body, grid, in_specs, out_specs = _grouped(s, body, grid, in_specs, out_specs)
+        if group > 1:
+            body, grid, in_specs, out_specs = _grouped(s, group, body, grid, in_specs, out_specs)
             stages = PROGRAM_STAGES
         if s.grid_order != "bhn":
             grid, in_specs, out_specs = _reorder(s, grid, in_specs, out_specs)
@@ -371,7 +373,7 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
         n_in = len(args) + 1
         outs = _call(s, functools.partial(kn.intra_fwd_fixup, s.cfg, n_in, residuals=residuals),
                      grid=(s.B, s.H, s.N), in_specs=specs + [t1] + out_specs, out_specs=out_specs,
-                     out_shape=out_shape, semantics=par, warps=s.num_warps_fwd,
+                     out_shape=out_shape, semantics=par, warps=s.num_warps_fwd, group=s.fixup_chunks,
                      aliases={n_in + i: i for i in range(len(out_shape))})(*args, unsafe, *first)
     else:
         body = {"whole": kn.intra_fwd_whole, "halves": kn.intra_fwd_halves}.get(s.cfg.intra, kn.intra_fwd)
@@ -670,11 +672,11 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
         s, functools.partial(kn.intra_bwd_solve_whole if whole else kn.intra_bwd_solve, s.cfg), grid=grid,
         in_specs=sspecs + [tc, tv, tv],
         out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, s.cfg.mm_dtype)],
-        semantics=par, group=True, warps=s.num_warps_solve)(*sargs, KK, ut, dut)
+        semantics=par, group=s.chunks_per_program, warps=s.num_warps_solve)(*sargs, KK, ut, dut)
     dq, dk, dbeta, *dg = _call(
         s, functools.partial(kn.intra_bwd_scores_whole if whole else kn.intra_bwd_scores, cfg), grid=grid,
-        in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par, group=True,
-        warps=s.num_warps_scores,
+        in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par,
+        group=s.chunks_per_program, warps=s.num_warps_scores,
     )(*args, ut, do, h, dh, dkk, dru, dbp)
     return (dq, dk, dv, dbeta, *_gate_grad(s, dg, g))
 
@@ -1009,7 +1011,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
              state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto",
-             anchored_fwd="fixup", qk_arrays="auto", state_pairs=False, intra="auto"):
+             anchored_fwd="fixup", qk_arrays="auto", state_pairs=False, intra="auto", fixup_chunks=1):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -1100,6 +1102,10 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`chunks_per_program` above 1 needs `chunk_size` <= 32 (looped, the backward's scores "
                          f"kernels at C = {C} ask for more than a Hopper GPU's 227 KB of shared memory), got "
                          f"{chunks_per_program!r}")
+    if isinstance(fixup_chunks, bool) or not isinstance(fixup_chunks, int) or fixup_chunks < 1 \
+            or N % fixup_chunks or (fixup_chunks > 1 and target != "gpu"):
+        raise ValueError(f"`fixup_chunks` must be a positive int dividing the number of chunks (T = {T} is {N} "
+                         f"chunks of {C}; above 1 on GPUs only), got {fixup_chunks!r}")
     BHs = B * state_split * H  # sequences × heads the state passes run on
     if state_bwd == "auto":
         state_bwd = "triton" if target == "tpu" else default_state_bwd(BHs, C, K, V, io_dtype, bool(interpret),
@@ -1135,7 +1141,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
                               else int(num_warps_solve)),
              anchored_bwd=anchored_bwd, anchored_fwd=anchored_fwd, fuse_output=fuse_output, state_bwd=state_bwd,
              state_split=state_split, grid_order=grid_order, chunks_per_program=chunks_per_program,
-             state_pairs=state_pairs, train_qk_arrays=train_qk_arrays)
+             state_pairs=state_pairs, train_qk_arrays=train_qk_arrays, fixup_chunks=fixup_chunks)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)
@@ -1182,7 +1188,7 @@ def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
     None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
     ``gate_lower_bound``, ``chunk_size`` and the launch knobs (``bv``, ``num_warps``,
     ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``, ``num_warps_solve``,
-    ``anchored_bwd``, ``anchored_fwd``, ``intra``)."""
+    ``anchored_bwd``, ``anchored_fwd``, ``fixup_chunks``, ``intra``)."""
     if gate is None and g is not None:
         gate = "channel" if g.ndim == 4 else "scalar"
     tuning.setdefault("chunk_size", None)
@@ -1217,6 +1223,9 @@ _DOC = """
       ``state_pairs`` (GPU; default False): the forward state pass takes two chunks a step, their
       ``W`` and ``U`` merged in the loop (half the dependent steps, more matmuls per step; slower on
       one H200: forward 0.99–1.62×, fwd+bwd 1.10–1.26×).
+      ``fixup_chunks`` (GPU, exact per-channel gates with ``anchored_fwd="fixup"``; default 1): chunks
+      each program of the forward's second intra-chunk pass loops over, checking each one's flag (fewer
+      programs where most chunks have nothing to redo; it divides the chunk count).
       ``intra`` (``"auto"``, ``"tiles"``, ``"whole"`` or ``"halves"``): the intra-chunk kernels' form —
       16-row tile pairs, or (GPU, scalar or no gates) one ``[C, C]`` / ``[C, D]`` matmul per product, or
       the forward's from two whole halves of the chunk (C >= 32); ``"auto"``: :func:`default_intra`.

@@ -12,8 +12,8 @@ not imported by the package.
 Each kernel's line gives its registers and spills (``ptxas -v``); ``--sass`` adds its SASS
 instruction count (``nvdisasm``). ``--forward_only`` lowers the undifferentiated call (its forward
 kernels without residuals: the state pass takes the output and stores nothing else) instead of
-fwd+bwd; ``--qk_arrays``, ``--state_pairs``, ``--intra``, ``--chunks_per_program`` and ``--num_warps_fwd``
-pass those launch knobs.
+fwd+bwd; ``--qk_arrays``, ``--state_pairs``, ``--intra``, ``--chunks_per_program``, ``--fixup_chunks`` and
+``--num_warps_fwd`` pass those launch knobs.
 ``--gate``: ``kda`` (exact per-channel), ``kda_bounded`` (``gate_lower_bound=-5``), ``gdn`` (scalar
 gate), ``none`` (DeltaNet) or ``all``; ``--dtype`` and ``--chunk_size`` take
 comma-separated lists (every combination is lowered and compiled).
@@ -33,7 +33,7 @@ GATES = ("none", "gdn", "kda", "kda_bounded")
 
 def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None, bv=None,
               anchored_fwd=None, qk_arrays=None, state_pairs=None, forward_only=False, intra=None,
-              chunks_per_program=None):
+              chunks_per_program=None, fixup_chunks=None):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering as L
@@ -67,11 +67,12 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
                       **({} if qk_arrays is None or gate.startswith("kda") else {"qk_arrays": qk_arrays}),
                       **({} if intra is None or gate.startswith("kda") else {"intra": intra}),
                       **({} if chunks_per_program is None else {"chunks_per_program": chunks_per_program}))
+            kda_kw = {**({} if anchored_fwd is None else {"anchored_fwd": anchored_fwd}),
+                      **({} if fixup_chunks is None else {"fixup_chunks": fixup_chunks})}
 
             def loss(q, k, v, g, b, S):
                 if gate == "kda":
-                    o, s = api.chunk_kda(q, k, v, g, b, **kw, **({} if anchored_fwd is None
-                                                                  else {"anchored_fwd": anchored_fwd}))
+                    o, s = api.chunk_kda(q, k, v, g, b, **kw, **kda_kw)
                 elif gate == "kda_bounded":
                     o, s = api.chunk_kda(q, k, v, g, b, gate_lower_bound=-5.0, anchored_bwd=anchored_bwd, **kw)
                 elif gate == "gdn":
@@ -198,6 +199,8 @@ def main(argv=None):
                     help="none, gdn: the intra-chunk kernels' form (default: the API's)")
     ap.add_argument("--chunks_per_program", type=int, default=None,
                     help="the backward intra-chunk kernels' chunks per program (default: the API's)")
+    ap.add_argument("--fixup_chunks", type=int, default=None,
+                    help="kda: chunks per program of the forward's second pass (default: the API's)")
     ap.add_argument("--forward_only", action="store_true",
                     help="lower the undifferentiated call (its forward kernels alone) instead of fwd+bwd")
     ap.add_argument("--sass", action="store_true", help="also count each kernel's SASS instructions (nvdisasm)")
@@ -225,7 +228,7 @@ def main(argv=None):
                                    args.inverse, args.bv, args.anchored_fwd,
                                    None if args.qk_arrays is None else bool(args.qk_arrays),
                                    None if args.state_pairs is None else bool(args.state_pairs), args.forward_only,
-                                   args.intra, args.chunks_per_program)
+                                   args.intra, args.chunks_per_program, args.fixup_chunks)
                     print(f"{label}{n} kernels lowered", flush=True)
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,

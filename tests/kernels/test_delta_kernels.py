@@ -403,17 +403,35 @@ def test_bounded_anchored_backward_on_gpu_flavour(gates):
     check("kda_bounded", make_inputs(1, gates=gates), True, 1e-4, target="gpu", tuning=(("anchored_bwd", "none"),))
 
 
-@pytest.mark.parametrize("gates,dtype,mode", [("mixed", np.float32, "fixup"), ("mixed", np.float32, "fused"),
-                                              pytest.param("unbounded", np.float32, "fixup", marks=pytest.mark.slow),
-                                              pytest.param("mixed", jnp.bfloat16, "fixup", marks=pytest.mark.slow)])
-def test_exact_kda_forward_in_two_passes(gates, dtype, mode):
+@pytest.mark.parametrize("gates,dtype,mode,group", [
+    ("mixed", np.float32, "fixup", 1), ("mixed", np.float32, "fused", 1), ("mixed", np.float32, "fixup", 3),
+    pytest.param("unbounded", np.float32, "fixup", 1, marks=pytest.mark.slow),
+    pytest.param("mixed", jnp.bfloat16, "fixup", 1, marks=pytest.mark.slow)])
+def test_exact_kda_forward_in_two_passes(gates, dtype, mode, group):
     """``anchored_fwd="fixup"`` (the default): the bounded-gate intra-chunk kernel on every chunk, then
     the exact one on the chunks it flags. "mixed" gates put tiles of −30 per token into two of the
     three chunks: the first pass's outputs there overflow, so the second pass must replace them; the
-    third chunk keeps the first pass's. ``"fused"``: the exact kernel alone, on every chunk."""
+    third chunk keeps the first pass's. ``"fused"``: the exact kernel alone, on every chunk.
+    ``fixup_chunks=3`` (``group``): one program of the second pass loops over all three chunks,
+    redoing the flagged ones alone — there the −30 tiles sit in the second and third chunks."""
     x = make_inputs(1, gates=gates, dtype=dtype)
-    check("kda", x, True, 1e-4 if dtype == np.float32 else 1e-2, target="gpu",
-          tuning=(("anchored_fwd", mode),))
+    if group > 1:
+        g = x["g"].copy()
+        g[:, 16:32, :, :3] = g[:, 16:32, :, 3:6]
+        g[:, 64:, :, :3] = -30.0
+        x["g"] = g
+    tuning = (("anchored_fwd", mode),) + ((("fixup_chunks", group),) if group > 1 else ())
+    check("kda", x, True, 1e-4 if dtype == np.float32 else 1e-2, target="gpu", tuning=tuning)
+
+
+def test_fixup_chunks_refused_by_name():
+    """``fixup_chunks`` must be a positive int dividing the chunk count, above 1 on GPUs only."""
+    x = make_inputs(1)
+    q, k, v, g, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta"))
+    assert -(-q.shape[1] // 32) == 3  # three chunks of 32 (T = 75, padded)
+    for bad, target in ((2, "gpu"), (0, "gpu"), (True, "gpu"), ("8", "gpu"), (3, "tpu")):
+        with pytest.raises(ValueError, match="fixup_chunks"):
+            kd.chunk_kda(q, k, v, g, beta, target=target, interpret=True, chunk_size=32, fixup_chunks=bad)
 
 
 @pytest.mark.parametrize("rule,dtype", [("gdn", np.float32), pytest.param("delta", np.float32, marks=pytest.mark.slow),
