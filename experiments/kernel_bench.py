@@ -347,6 +347,7 @@ def part_stages(results, B=2, T=8192, rules=RULES, chunk_size=None, key="stages"
                 extra = {"gate_lower_bound": GATE_BOUND} if rule == "kdab" else {}
                 tuning = dict(PALLAS_TUNING, num_warps=nw, chunk_size=chunk_size, **extra)
                 s, args = api._debug_spec(x["q"], x["k"], x["v"], g, x["beta"], **tuning)
+                s = api._train_spec(s)  # the kernels as a differentiated call runs them (qk_arrays="auto")
                 q, k, v, g, beta, doc, h0 = args
                 f1 = jax.jit(lambda *a: api._intra_fwd(s, *a))
                 t1 = time_jax(f1, q, k, v, g, beta, doc)
