@@ -935,7 +935,10 @@ def default_qk_arrays(target: str, gate: str, intra: str) -> bool:
     (forward / backward) against 0.400 / 0.433 with the columns, the intra-chunk forward kernel 0.310
     against 0.260 (the two arrays' writes). The forward alone took 1.064, 1.099 and 0.986 — hence the
     columns there. Not measured: the halves kernel (C = 64) and documents without a gate; with the 16-row
-    tile kernels (f32 inputs) the arrays spilled and took fwd+bwd 1.04–1.07×."""
+    tile kernels (f32 inputs) the arrays spilled and took fwd+bwd 1.04–1.07×. Memory: the backward's
+    residuals then hold ``q_in`` and ``k_out`` — as large as ``q`` and ``k`` — instead of two ``[T, 1]``
+    columns (bf16 at B·T = 16384 tokens, H 16, K 128: 134 MB more a layer); ``qk_arrays=False`` keeps
+    the columns."""
     return target == "gpu" and gate == "scalar" and intra == "whole"
 
 
