@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .tiles import (
-    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, get_col, get_diag, inverse_prec, iota,
+    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, exp, get_col, get_diag, inverse_prec, iota,
     load_rows, mm, prefix_sum, row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows,
     unit_lower_inverse_t, ut_matrix, ut_system,
 )
@@ -171,8 +171,8 @@ def _whole_gates(cfg: Cfg, r, C: int):
     if gate_prefix(cfg):  # 16-bit inputs: the chunk's prefix sums
         Q = r["g"][...].astype(F32)                                          # [C, 1]
         q_last = load_rows(r["g"], C - 1, 1)                                 # [1, 1]
-        decay = jnp.where(causal, jnp.exp(jnp.where(causal, Q - col_to_row(Q, cfg.transpose), 0.0)), 0.0)
-        return decay, _mul(jnp.exp(Q), sees), _mul(jnp.exp(q_last - Q), last), _mul(jnp.exp(q_last), sees_last)
+        decay = jnp.where(causal, exp(jnp.where(causal, Q - col_to_row(Q, cfg.transpose), 0.0)), 0.0)
+        return decay, _mul(exp(Q), sees), _mul(exp(q_last - Q), last), _mul(exp(q_last), sees_last)
     g_row = col_to_row(r["g"][...].astype(F32), cfg.transpose)               # [1, C]
 
     def rows(mask):  # [C, 1]: Σ over the columns where mask holds
@@ -189,10 +189,10 @@ def _whole_gates(cfg: Cfg, r, C: int):
         tot = jnp.sum(jnp.where(tc == L, g_row, 0.0), axis=1, keepdims=True)  # [1, 1]
         expo = expo + jnp.where((t > L) & (tc < L), tot, 0.0)
     expo = jnp.where(same, P - col_to_row(P, cfg.transpose), expo)
-    decay = jnp.where(causal, jnp.exp(jnp.where(causal, expo, 0.0)), 0.0)
-    ein = _mul(jnp.exp(rows(ci <= ri)), sees)
-    eout = _mul(jnp.exp(rows(ci > ri)), last)
-    return decay, ein, eout, _mul(jnp.exp(jnp.sum(g_row, axis=1, keepdims=True)), sees_last)
+    decay = jnp.where(causal, exp(jnp.where(causal, expo, 0.0)), 0.0)
+    ein = _mul(exp(rows(ci <= ri)), sees)
+    eout = _mul(exp(rows(ci > ri)), last)
+    return decay, ein, eout, _mul(exp(jnp.sum(g_row, axis=1, keepdims=True)), sees_last)
 
 
 def _whole_in(cfg: Cfg, ref):
