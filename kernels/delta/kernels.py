@@ -1018,9 +1018,21 @@ def intra_bwd_scores(cfg: Cfg, *refs):
                 dq_ref, dk_ref, dbeta_ref, rest[10:])
 
 
+def whole_back_solve(cfg: Cfg) -> bool:
+    """Whether the backward's solve kernel is :func:`intra_bwd_solve_whole` (else :func:`intra_bwd_solve`):
+    with the whole-chunk forms, and with the tile form for 16-bit inputs (KDA, or ``intra="tiles"``), where
+    it first merges the tile inverses ``KK`` carries. The tile kernel's 16-row products lower with their
+    warps stacked over the rows (Triton 3.6, ``warpsPerCTA = [2, 1]`` at 2 warps), each warp repeating
+    the others' work."""
+    return cfg.intra != "tiles" or cfg.mm_dtype != F32
+
+
 def intra_bwd_solve_whole(cfg: Cfg, *refs):
     """:func:`intra_bwd_solve` on whole-chunk operands (``intra="whole"``): ``dR_u = (I + A)⁻ᵀ dŨ`` is one
-    matmul with the transposed inverse :func:`intra_fwd_whole` stored in ``KK``'s upper triangle."""
+    matmul with the transposed inverse :func:`intra_fwd_whole` stored in ``KK``'s upper triangle. After the
+    tile kernel :func:`intra_fwd` (``cfg.intra == "tiles"``, whose ``KK`` holds the 16×16 tile inverses
+    alone) the inverse is first merged whole from them (``unit_lower_inverse_t`` from 16-row blocks: one
+    merge of two ``[C, C]`` products at C = 32)."""
     r, rest = _split_in(cfg, refs, ("v", "beta", "doc"))
     kk_ref, ut_ref, dut_ref, dv_ref, dbp_ref, dkk_ref, dru_ref = rest
     C = cfg.chunk
@@ -1032,7 +1044,13 @@ def intra_bwd_solve_whole(cfg: Cfg, *refs):
     kk = kk_ref[...].astype(F32)
     KK = jnp.where(ri > ci, kk, 0.0)
     beta = r["beta"][...].astype(F32)
-    dRu = dot(jnp.where(ri <= ci, kk, 0.0), dut_ref[...].astype(F32), precision=cfg.solve_prec)
+    tt = jnp.where(ri <= ci, kk, 0.0)
+    if cfg.intra == "tiles":  # the diagonal 16×16 blocks of (I + A)⁻ᵀ: merge them whole
+        sh = SUB.bit_length() - 1
+        same = lax.shift_right_logical(ri, sh) == lax.shift_right_logical(ci, sh)
+        tt = unit_lower_inverse_t(beta * KK, False, "blocks", inverse_prec(cfg), tt=jnp.where(same, tt, 0.0),
+                                  block=SUB)
+    dRu = dot(tt, dut_ref[...].astype(F32), precision=cfg.solve_prec)
     dv_ref[...] = (beta * dRu).astype(dv_ref.dtype)
     dA = jnp.where(strict, -mm(cfg, dRu, _whole_in(cfg, ut_ref), tb=True), 0.0)
     db = jnp.sum(r["v"][...].astype(F32) * dRu, axis=1, keepdims=True) + jnp.sum(dA * KK, axis=1, keepdims=True)

@@ -261,7 +261,7 @@ def loop(unroll: bool, lo: int, hi: int, body, carry):
 INVERSES = ("blocks", "loop")
 
 
-def unit_lower_inverse_t(a, unroll=False, method="loop", precision=BF16X6):
+def unit_lower_inverse_t(a, unroll=False, method="loop", precision=BF16X6, tt=None, block=1):
     """``(I + a)⁻ᵀ`` for strictly lower ``a`` ``[n, n]`` (``n`` a power of two), f32.
 
     ``"blocks"``: recursive doubling of the diagonal blocks. With ``T`` the inverse of the
@@ -271,7 +271,9 @@ def unit_lower_inverse_t(a, unroll=False, method="loop", precision=BF16X6):
     every block at once). ``log₂ n`` merges of two small matmuls, taken at ``precision`` (default
     :data:`BF16X6`: f32-accurate products); every intermediate is a block of the inverse itself, so
     nothing grows beyond it (unlike a Neumann product ``Π (I + a^{2^k})``). Built transposed:
-    ``Tᵀ ← Tᵀ − Tᵀ a_bᵀ Tᵀ``.
+    ``Tᵀ ← Tᵀ − Tᵀ a_bᵀ Tᵀ``. ``tt`` (with ``block``, a power of two): the merges start from that
+    transposed inverse of the block-diagonal part in ``block``-blocks instead of ``T = I`` (the whole-chunk
+    back-solve from the 16×16 tile inverses :func:`~kernels.delta.kernels.intra_fwd` stores in ``KK``).
 
     ``"loop"``: forward substitution, ``n − 1`` dependent steps of masked row/column sums:
     row ``i`` of ``T`` is ``e_i − Σ_{j<i} a_ij T_j``, built as ``Tᵀ`` column by column.
@@ -279,9 +281,10 @@ def unit_lower_inverse_t(a, unroll=False, method="loop", precision=BF16X6):
     n = a.shape[0]
     r, c = iota((n, n), 0), iota((n, n), 1)
     if method == "blocks":
-        tt = (r == c).astype(F32)
+        if tt is None:
+            tt, block = (r == c).astype(F32), 1
         blk = lambda x, s: lax.shift_right_logical(x, jnp.int32(s))  # noqa: E731  x // 2^s (x >= 0)
-        s_ = 0
+        s_ = block.bit_length() - 1
         while (1 << s_) < n:  # b = 2^s_
             a_b = jnp.where((blk(r, s_ + 1) == blk(c, s_ + 1)) & (blk(r, s_) > blk(c, s_)), a, 0.0)
             if s_ == 0:  # T = I: the first merge is I − a_bᵀ, exactly, without a product

@@ -377,6 +377,25 @@ def test_kernel_exp():
     assert np.max(np.abs(y[16:] - ref) / ref) <= 1e-5
 
 
+@pytest.mark.parametrize("n", [32, 64])
+def test_unit_lower_inverse_from_tile_inverses(n):
+    """``unit_lower_inverse_t(..., tt=, block=16)``: the whole ``(I + a)⁻ᵀ`` merged from the transposed
+    inverses of its 16×16 diagonal blocks (what the whole back-solve does with the tile kernel's ``KK``),
+    against LAPACK's, to float32 accuracy (six bf16 MMAs a product); a = β ⊙ k kᵀ of unit keys, strictly lower."""
+    from kernels.delta.tiles import unit_lower_inverse_t
+    r = np.random.default_rng(11)
+    k = r.normal(size=(n, 32))
+    k /= np.linalg.norm(k, axis=1, keepdims=True)
+    a = np.tril(r.uniform(0.05, 1.0, (n, 1)) * (k @ k.T), -1)
+    tiles = np.zeros((n, n))
+    for i in range(0, n, 16):
+        tiles[i:i + 16, i:i + 16] = np.linalg.inv(np.eye(16) + a[i:i + 16, i:i + 16]).T
+    f = jax.jit(lambda a, t: unit_lower_inverse_t(a, False, "blocks", tt=t, block=16),
+                compiler_options={"xla_allow_excess_precision": False} if jax.default_backend() == "gpu" else None)
+    got = f(jnp.asarray(a, jnp.float32), jnp.asarray(tiles, jnp.float32))
+    assert rel_err(got, np.linalg.inv(np.eye(n) + a).T) <= 1e-6
+
+
 @pytest.mark.parametrize("method", ["blocks", "loop"])
 def test_unit_lower_inverse(method):
     """Both ways of the 16×16 unit lower inverse against LAPACK's, to float32 accuracy: random
@@ -745,6 +764,8 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     # exact per-channel gates: two forward passes (anchored_fwd="fixup"), at the same warps
     assert len(intra) == (2 if rule == "kda" else 1) and all(got[n] == fwd for n in intra)
     assert len(solve) == 1 and got[solve[0]] == 2
+    # 16-bit inputs: the whole back-solve for every rule (kernels.whole_back_solve; KDA merges its tile inverses)
+    assert "solve_whole" in solve[0]
     assert all(w == 4 for n, w in got.items() if n not in scores + intra + solve)
     assert launches(num_warps_scores=2)[scores[0]] == 2
     assert all(launches(num_warps_fwd=8)[n] == 8 for n in intra)
@@ -752,6 +773,7 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     f32 = launches(jnp.float32)  # f32 tiles spill at 4 already
     f32_intra = [n for n in f32 if "intra_fwd" in n or "intra_bwd_solve" in n]
     assert len(f32_intra) == len(intra) + 1 and all(f32[n] == 4 for n in f32_intra)
+    assert not any("solve_whole" in n for n in f32)  # f32: the tile back-solve
     with pytest.raises(ValueError, match="num_warps_scores"):
         launches(num_warps_scores=3)
     with pytest.raises(ValueError, match="num_warps_fwd"):
