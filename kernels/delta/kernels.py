@@ -24,7 +24,9 @@ kernel everywhere, then :func:`intra_fwd_fixup` on the chunks it flags).
 
 ``KK`` (f32 ``[C, C]`` per chunk, the backward's residual) is strictly lower; the upper triangles of
 its diagonal tiles carry the transposed inverses ``T_IIᵀ`` of the UT solve's diagonal tiles, so the
-backward's back-solve does not invert them again. Without per-channel gates (DeltaNet, GDN)
+backward's back-solve does not invert them again (the whole-chunk forms store the whole ``(I + A)⁻ᵀ``
+above the diagonal; after the tile kernels, 16-bit inputs merge it from the tiles in the backward:
+:func:`whole_back_solve`). Without per-channel gates (DeltaNet, GDN)
 ``q_in = q ⊙ E_in`` and ``k_out = k ⊙ E_out`` scale whole rows: ``intra_fwd`` writes the ``[C, 1]``
 factors in their place and the state passes apply them to their ``[C, bv]`` operands (:func:`row_factors`).
 
@@ -45,8 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .tiles import (
-    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, exp, get_col, get_diag, inverse_prec, iota,
-    load_rows, mm, prefix_sum, row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows,
+    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, exp, get_col, get_diag, inverse_prec,
+    iota, load_rows, mm, prefix_sum, row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows,
     unit_lower_inverse_t, ut_matrix, ut_system,
 )
 
@@ -1020,10 +1022,14 @@ def intra_bwd_scores(cfg: Cfg, *refs):
 
 def whole_back_solve(cfg: Cfg) -> bool:
     """Whether the backward's solve kernel is :func:`intra_bwd_solve_whole` (else :func:`intra_bwd_solve`):
-    with the whole-chunk forms, and with the tile form for 16-bit inputs (KDA, or ``intra="tiles"``), where
-    it first merges the tile inverses ``KK`` carries. The tile kernel's 16-row products lower with their
-    warps stacked over the rows (Triton 3.6, ``warpsPerCTA = [2, 1]`` at 2 warps), each warp repeating
-    the others' work."""
+    with the whole-chunk forms, and after the tile kernels with 16-bit inputs (KDA; DeltaNet and GDN with
+    ``intra="tiles"``), where it first merges the tile inverses ``KK`` carries; f32 inputs keep the tile
+    kernel (not measured whole). The tile kernel's 16-row products lower with both warps over the same
+    rows (Triton 3.6: ``warpsPerCTA = [2, 1]`` at 2 warps), each repeating the other's work; the whole one
+    compiles to 1864 SASS instructions per thread against 2416, no spills (bf16, KDA, two chunks a
+    program). Paired on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab --ab_ref``, commit 9f5fb94
+    against the kernels before): KDA fwd+bwd 0.978–0.981 at (2, 8192), (8, 2048) and (1, 32768), exact
+    and bounded gates; the kernel 0.126 ms against 0.185 at (2, 8192)."""
     return cfg.intra != "tiles" or cfg.mm_dtype != F32
 
 
