@@ -48,6 +48,7 @@ Usage (on the device; fla-core installed with ``--target`` from a carried wheel)
     python -m experiments.kernel_bench --parts ab --shapes 1,32768 --pallas_tuning state_split=1 \
         --ab state_split=8,bv=128,num_warps_state=8                        # split state passes, paired
     python -m experiments.kernel_bench --parts profile --shapes 2,8192 --methods pallas,fla   # kernel by kernel
+    python -m experiments.kernel_bench --parts ab --ab_ref OTHER/kernels/delta --ab_dtype f32   # two trees, f32 inputs
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` under ``--out``.
 """
@@ -650,15 +651,19 @@ def load_kernels(path):
     return mod
 
 
+AB_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
 def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=lambda: False, modes=AB_MODES,
-            ref=None, gate_scale=1.0):
+            ref=None, gate_scale=1.0, dtype="bf16"):
     """Pallas with ``--pallas_tuning`` (A) against the same with ``knobs_b`` changed (B), paired: per
     (shape, rule, mode) both are compiled, then timed in ``AB_ROUNDS`` alternating rounds of ``reps``
     calls (A B, B A, ...); the row keeps each round's medians and the median of the rounds' B / A.
     ``ref`` (``--ab_ref``: a kernel package from :func:`load_kernels`): A runs that package's kernels,
     B this tree's — two versions of the code paired in one process. ``gate_scale`` (``--ab_gate_scale``)
     multiplies the benchmark's log-decays (default in (−0.2, 0) per token; 400 puts every 16-token tile's
-    gate sum far below −64, so no exact-gate KDA tile can be anchored)."""
+    gate sum far below −64, so no exact-gate KDA tile can be anchored). ``dtype`` (``--ab_dtype``, a key of
+    ``AB_DTYPES``): q, k, v and β in bf16 (the benchmark's) or f32 (the kernels' f32-accurate paths)."""
     tun_a = dict(PALLAS_TUNING)
     tun_b = dict(PALLAS_TUNING, **knobs_b)
     rows = results.setdefault("ab", [])
@@ -666,7 +671,7 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
         if over():
             log("budget reached: skipping ab", (B, T))
             continue
-        x = make_inputs(B, T, gate_scale=gate_scale)
+        x = make_inputs(B, T, AB_DTYPES[dtype], gate_scale=gate_scale)
         for rule in rules:
             for mode in modes:
                 fs = []
@@ -682,11 +687,11 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
                         (ta if j == 0 else tb).append(time_jax(fs[j], *args, reps=reps, rounds=1))
                 ratios = [b / a for a, b in zip(ta, tb)]
                 row = dict(B=B, T=T, rule=rule, mode=mode, a=tun_a, b=tun_b, a_ms=ta, b_ms=tb, a_ref=ref is not None,
-                           gate_scale=gate_scale,
+                           gate_scale=gate_scale, dtype=dtype,
                            a_median=statistics.median(ta), b_median=statistics.median(tb),
                            b_over_a=statistics.median(ratios), b_over_a_range=[min(ratios), max(ratios)])
                 rows.append(row)
-                log("ab", B, T, rule, mode, f"A {row['a_median']:.3f} ms  B {row['b_median']:.3f} ms  "
+                log("ab", B, T, rule, mode, dtype, f"A {row['a_median']:.3f} ms  B {row['b_median']:.3f} ms  "
                     f"B/A {row['b_over_a']:.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
 
 
@@ -819,6 +824,8 @@ def main(argv=None):
                     help="--parts ab: which of " + ",".join(AB_MODES) + " to time (comma-separated)")
     ap.add_argument("--ab_gate_scale", type=float, default=1.0,
                     help="--parts ab: multiply the log-decay gates by this (> 0; e.g. 400: no KDA tile anchorable)")
+    ap.add_argument("--ab_dtype", default="bf16", choices=tuple(AB_DTYPES),
+                    help="--parts ab: the dtype of q, k, v and beta (gates stay f32)")
     ap.add_argument("--pallas_tuning", default="",
                     help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores,"
                          "fuse_output=0,state_bwd=triton,inverse=loop,state_split=8 (or auto),grid_order=nbh")
@@ -900,7 +907,8 @@ def main(argv=None):
         part_profile(results, shapes, rules, methods, pc, over)
         save()
     if "ab" in parts:
-        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes, ref=ref, gate_scale=args.ab_gate_scale)
+        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes, ref=ref,
+                gate_scale=args.ab_gate_scale, dtype=args.ab_dtype)
         results["ab_table"] = ab_table(results)
         log(results["ab_table"])
         save()

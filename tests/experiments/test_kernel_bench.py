@@ -110,6 +110,13 @@ def test_ab_times_both_sides_in_alternating_rounds(tiny, monkeypatch):
     res = {}  # --ab_modes: the forward alone (the compiled forwards are cached)
     kb.part_ab(res, [(1, 64)], 1, {"fuse_output": False}, rules=("delta",), chunk_size=32, modes=("fwd",))
     assert [(r["rule"], r["mode"]) for r in res["ab"]] == [("delta", "fwd")]
+    res = {}  # --ab_dtype f32: the f32 inputs reach the kernels, and the row says so
+    seen = []
+    orig = kb.rule_call
+    monkeypatch.setattr(kb, "rule_call", lambda f, mode, x, rule: seen.append(x["q"].dtype) or orig(f, mode, x, rule))
+    kb.part_ab(res, [(1, 64)], 1, {"fuse_output": False}, rules=("delta",), chunk_size=32, modes=("fwd",),
+               dtype="f32")
+    assert [r["dtype"] for r in res["ab"]] == ["f32"] and set(seen) == {kb.jnp.dtype("float32")}
 
 
 def test_ab_ref_runs_another_checkouts_kernels_as_a(tiny, monkeypatch, tmp_path, capsys):
@@ -136,7 +143,8 @@ def test_ab_ref_runs_another_checkouts_kernels_as_a(tiny, monkeypatch, tmp_path,
 @pytest.mark.parametrize("argv, message", [(["--parts", "ab"], "--parts ab needs --ab"),
                                            (["--parts", "ab", "--ab", "inverse=neumann"], "--ab: inverse must be"),
                                            (["--ab", "fuse_output=2"], "--ab: fuse_output must be 0 or 1"),
-                                           (["--ab_modes", "bwd"], "--ab_modes: unknown mode 'bwd'")])
+                                           (["--ab_modes", "bwd"], "--ab_modes: unknown mode 'bwd'"),
+                                           (["--ab_dtype", "fp8"], "--ab_dtype: invalid choice: 'fp8'")])
 def test_bad_ab_flags_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         kb.main(argv + ["--out", "unused"])
