@@ -10,7 +10,9 @@ not imported by the package.
     python -m kernels.delta.triton_compile_check --gate all --dtype bf16,f32 --chunk_size 32,64
 
 Each kernel's line gives its registers and spills (``ptxas -v``); ``--sass`` adds its SASS
-instruction count (``nvdisasm``). ``--forward_only`` lowers the undifferentiated call (its forward
+instruction count (``nvdisasm``); ``--layouts`` the warp layouts Triton chose for its matmuls
+(``mma=v2[4,1]``: ``mma.sync`` with 4 warps over the rows — over a 16- or 32-row product, warps repeat
+each other's rows). ``--forward_only`` lowers the undifferentiated call (its forward
 kernels without residuals: the state pass takes the output and stores nothing else) instead of
 fwd+bwd; ``--qk_arrays``, ``--state_pairs``, ``--intra``, ``--chunks_per_program``, ``--fixup_chunks`` and
 ``--num_warps_fwd`` pass those launch knobs.
@@ -137,8 +139,16 @@ def sass_count(kernel) -> str:
     return f"sass={n}"
 
 
+def mma_layouts(kernel) -> str:
+    """The distinct ``nvidia_mma`` encodings of a compiled kernel's TTGIR, as ``mma=v2[4,1],v3[4,1]``
+    (version, ``warpsPerCTA``): which warp grid each matmul runs on."""
+    import re
+    found = re.findall(r"nvidia_mma<\{versionMajor = (\d+)[^}]*?warpsPerCTA = \[([0-9, ]+)\]", kernel.asm["ttgir"])
+    return "mma=" + (",".join(sorted({f"v{v}[{w.replace(' ', '')}]" for v, w in found})) or "none")
+
+
 def compile_all(outdir, num_warps=4, label="", num_warps_scores=None, num_warps_state=None, num_warps_fwd=None,
-                num_warps_solve=None, sass=False):
+                num_warps_solve=None, sass=False, layouts=False):
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -169,7 +179,7 @@ def compile_all(outdir, num_warps=4, label="", num_warps_scores=None, num_warps_
             dt = time.time() - t
             times[name] = dt
             print(f"{label}{name:28s} OK   {dt:6.1f} s  shared={k.metadata.shared}  {ptxas_usage(k)}"
-                  + (f" {sass_count(k)}" if sass else ""), flush=True)
+                  + (f" {sass_count(k)}" if sass else "") + (f" {mma_layouts(k)}" if layouts else ""), flush=True)
         except Exception as e:  # noqa: BLE001
             ok = False
             print(f"{label}{name:28s} FAIL {time.time() - t:6.1f} s  {str(e)[:800]}", flush=True)
@@ -204,6 +214,8 @@ def main(argv=None):
     ap.add_argument("--forward_only", action="store_true",
                     help="lower the undifferentiated call (its forward kernels alone) instead of fwd+bwd")
     ap.add_argument("--sass", action="store_true", help="also count each kernel's SASS instructions (nvdisasm)")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also print the warp layouts (warpsPerCTA) of each kernel's matmuls, from its TTGIR")
     ap.add_argument("--keep_cache", action="store_true",
                     help="use Triton's cache (default: a fresh one, so that every compile is timed)")
     args = ap.parse_args(argv)
@@ -236,7 +248,8 @@ def main(argv=None):
                                               args.num_warps_fwd or api.default_warps_fwd(
                                                   kind, args.num_warps, dtype != "f32",
                                                   chunk or api.default_chunk("gpu")),
-                                              api.default_warps_solve(args.num_warps, dtype != "f32"), args.sass)
+                                              api.default_warps_solve(args.num_warps, dtype != "f32"), args.sass,
+                                              args.layouts)
                     ok = ok and good
                     summary.append((label, times))
     print("\ncompile seconds per kernel:")

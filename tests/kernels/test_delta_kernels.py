@@ -352,6 +352,18 @@ def test_column_row_moves(transpose):
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: row_to_col(a, transpose))(jnp.asarray(row))), x)
 
 
+def test_mma_layouts_reads_the_ttgir():
+    """``triton_compile_check --layouts``: the distinct matmul warp grids of a compiled kernel, from its TTGIR
+    (a stand-in object here; the script compiles with the triton package, which the suite does not need)."""
+    from types import SimpleNamespace
+
+    from kernels.delta.triton_compile_check import mma_layouts
+    enc = "#ttg.nvidia_mma<{{versionMajor = {}, versionMinor = 0, warpsPerCTA = [{}], instrShape = [16, 8]}}>\n"
+    ttgir = "#mma = " + enc.format(2, "4, 1") + "#mma1 = " + enc.format(3, "4, 1") + "#mma2 = " + enc.format(2, "4, 1")
+    assert mma_layouts(SimpleNamespace(asm={"ttgir": ttgir})) == "mma=v2[4,1],v3[4,1]"
+    assert mma_layouts(SimpleNamespace(asm={"ttgir": "module {}"})) == "mma=none"
+
+
 def test_kernel_exp():
     """``tiles.exp`` (every ``exp`` of the kernels, as ``exp2(x·log₂e)``) inside a Pallas kernel —
     compiled on a GPU (the hardware ``ex2``), interpreted elsewhere — against float64 ``exp``:
