@@ -44,16 +44,16 @@ Gate kinds (:class:`~kernels.delta.tiles.Cfg` ``gate``): "none" (DeltaNet), "sca
 DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is one ``[16, 16]``
 ``exp`` of in-tile differences; the gate's gradient — row sums and ``Σ S ⊙ dS`` in the scores
 kernel, the in-chunk prefix sums after it in XLA (:func:`_gate_grad`) — makes the backward's scores
-kernel 1.5× DeltaNet's on one H200 (0.508 against 0.346 ms at (2, 8192)), about half the difference
-between their fwd+bwd times: docs/benchmarks.md; the 16-bit whole-chunk kernels read the gate as its
+kernel 1.5× DeltaNet's on one H200 (0.524 against 0.347 ms at (2, 8192), commit cce6b62), about three
+quarters of the difference between their fwd+bwd times: docs/benchmarks.md; the 16-bit whole-chunk kernels read the gate as its
 chunk-local prefix sums, :func:`_gate_in`) and "channel" (KDA: a 16×16 diagonal
 tile is one matmul anchored at its middle row when its gates keep ``|G_i − G_mid| <= 64`` — always
 with ``gate_lower_bound``; with exact gates on GPUs the backward's kernels decide it per tile at
 run time (``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an exact 16-step loop on the tiles
 whose gates are steeper, and the forward runs the bounded-gate kernel on every chunk, then the
 per-tile kernel on the chunks it flags (``ANCHORED_FWD``). On one H200 (bf16, B 2, T 8192, H 16,
-D 128, the benchmark's gates ``>= −0.2``) the exact intra-chunk forward takes 0.68 ms in two passes
-against 0.95 ms for the per-tile kernel alone: docs/benchmarks.md).
+D 128, the benchmark's gates ``>= −0.2``) the exact intra-chunk forward takes 0.66 ms in two passes
+(commit cce6b62) against 0.95 ms for the per-tile kernel alone (commit f9d357a): docs/benchmarks.md).
 
 Entry points: :func:`chunk_delta_rule`, :func:`chunk_gated_delta_rule`,
 :func:`chunk_kda` — ``[B, T, H, D]`` in, ``(o [B, T, H, V], S [B, H, K, V] f32)``
