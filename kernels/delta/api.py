@@ -45,8 +45,8 @@ DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is 
 ``exp`` of in-tile differences; the gate's gradient — row sums and ``Σ S ⊙ dS`` in the scores
 kernel, the in-chunk prefix sums after it in XLA (:func:`_gate_grad`) — makes the backward's scores
 kernel 1.5× DeltaNet's on one H200 (0.524 against 0.347 ms at (2, 8192), commit cce6b62), about three
-quarters of the difference between their fwd+bwd times: docs/benchmarks.md; the 16-bit whole-chunk kernels read the gate as its
-chunk-local prefix sums, :func:`_gate_in`) and "channel" (KDA: a 16×16 diagonal
+quarters of the difference between their fwd+bwd times: docs/benchmarks.md; the 16-bit whole-chunk
+kernels read the gate as its chunk-local prefix sums, :func:`_gate_in`) and "channel" (KDA: a 16×16 diagonal
 tile is one matmul anchored at its middle row when its gates keep ``|G_i − G_mid| <= 64`` — always
 with ``gate_lower_bound``; with exact gates on GPUs the backward's kernels decide it per tile at
 run time (``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an exact 16-step loop on the tiles
