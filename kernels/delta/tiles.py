@@ -112,8 +112,8 @@ LOG2E = 1.4426950408889634
 def exp(x):
     """``e^x`` as ``2^(x·log₂e)``, the form of every ``exp`` in the kernels. Triton lowers an f32
     ``exp`` to libdevice's ``expf`` (a range reduction around ``MUFU.EX2``) and ``exp2`` to the bare
-    ``MUFU.EX2``; a KDA chunk's gate factors are ~200 of them per thread (SASS of the bounded-gate
-    forward kernel, bf16: 4808 instructions with ``exp``, 3576 with this). ``exp(-inf) = 0``; rounding
+    ``MUFU.EX2``; a KDA chunk's gate factors are ``exp`` of whole ``[16, K]`` tiles (SASS of the bounded-gate
+    forward kernel, bf16: 4808 instructions per thread with ``exp``, 3576 with this). ``exp(-inf) = 0``; rounding
     ``x·log₂e`` costs a relative ``|x|·2⁻²³`` at most (``8e-6`` at ``|x| = 64``, the anchored tiles'
     largest exponent)."""
     return jnp.exp2(x * LOG2E)
