@@ -186,6 +186,14 @@ def test_bf16_inputs(rule):
     assert g["dq"].dtype == jnp.bfloat16 and g["dS0"].dtype == jnp.float32
 
 
+@pytest.mark.parametrize("rule", ["gdn", pytest.param("delta", marks=pytest.mark.slow)])
+def test_bf16_tile_forward_with_the_whole_back_solve(rule):
+    """16-bit DeltaNet / GDN with ``intra="tiles"``: the tile forward kernel stores only the 16×16 tile
+    inverses in ``KK``, and the backward's whole solve kernel merges them (``kernels.whole_back_solve``) —
+    forward, final state and every gradient against the reference, with resets, to 1e-2."""
+    check(rule, make_inputs(3, dtype=jnp.bfloat16), True, 1e-2, target="gpu", tuning=(("intra", "tiles"),))
+
+
 @pytest.mark.parametrize("rule", ["gdn", pytest.param("kda", marks=pytest.mark.slow)])
 def test_one_chunk_sequences(rule):
     """T = 20: one chunk, so the state loops run a single step — the decay they apply a step late
