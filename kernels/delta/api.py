@@ -819,15 +819,16 @@ def default_bv(BH: int, V: int) -> int:
     return bv
 
 
-def default_chunks_per_program(target: str, gate: str, N: int, C: int = 32) -> int:
+def default_chunks_per_program(target: str, gate: str, N: int, C: int = 32, low: bool = True) -> int:
     """Chunks per program of the backward's intra-chunk kernels (``chunks_per_program="auto"``): on
     GPUs ``PROGRAM_CHUNKS`` where it divides the chunk count, except for scalar gates (GDN), whose
     scores kernel took longer looping (paired, one H200: DeltaNet and KDA fwd+bwd 0.88–0.96×, GDN 1.05×
     with the tile kernels, 1.007–1.014× with the whole-chunk ones; ``docs/benchmarks.md``), and except
-    for chunks above 32 tokens, whose looped scores kernels' pipelined loads do not fit a Hopper GPU's
-    227 KB of shared memory (Triton 3.6, bf16, C = 64: 408 KB for DeltaNet's whole-chunk kernel, 288 KB
-    for KDA's); 1 on TPUs."""
-    if target != "gpu" or gate == "scalar" or N % PROGRAM_CHUNKS or C > 32:
+    where the looped scores kernels' pipelined loads do not fit a Hopper GPU's 227 KB of shared memory
+    (Triton 3.6, K = V = 128): chunks above 32 tokens (bf16, C = 64: 408 KB for DeltaNet's whole-chunk
+    kernel, 288 KB for KDA's) and f32 inputs (``low=False``; C = 32: 339 KB for DeltaNet's, 484 KB for
+    KDA's — the launch failed on an H200); 1 on TPUs."""
+    if target != "gpu" or gate == "scalar" or N % PROGRAM_CHUNKS or C > 32 or not low:
         return 1
     return PROGRAM_CHUNKS
 
@@ -849,11 +850,12 @@ def default_state_split(target: str, BH: int, N: int, V: int) -> int:
     return P
 
 
-def split_bv(C: int) -> int:
+def split_bv(C: int, low: bool = True) -> int:
     """GPU: the value blocks of split state passes (:func:`default_state_split`): ``SPLIT_BV``, or 64 for
-    chunks above 32 tokens, whose pipelined loads at 128 columns do not fit a Hopper GPU's 227 KB of
-    shared memory (Triton 3.6, bf16, C = 64: the forward pass 248 KB at 128 columns, 208 KB at 64)."""
-    return SPLIT_BV if C <= 32 else min(SPLIT_BV, 64)
+    chunks above 32 tokens and for f32 inputs (``low=False``), whose pipelined loads at 128 columns do not
+    fit a Hopper GPU's 227 KB of shared memory (Triton 3.6, K = 128: bf16 at C = 64 the forward pass 248 KB
+    at 128 columns, 208 KB at 64; f32 at C = 32 233 KB at 128 columns, 169 KB at 64)."""
+    return SPLIT_BV if C <= 32 and low else min(SPLIT_BV, 64)
 
 
 def default_warps_state(bv: int) -> int:
@@ -1097,7 +1099,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`state_split` must be 'auto' or a positive int dividing the number of chunks "
                          f"(T = {T} is {N} chunks of {C}), got {state_split!r}")
     if chunks_per_program == "auto":
-        chunks_per_program = default_chunks_per_program(target, gate or "none", N, C)
+        chunks_per_program = default_chunks_per_program(target, gate or "none", N, C, low)
     elif isinstance(chunks_per_program, bool) or not isinstance(chunks_per_program, int) or chunks_per_program < 1 \
             or N % chunks_per_program or (chunks_per_program > 1 and target != "gpu"):
         raise ValueError(f"`chunks_per_program` must be 'auto' or a positive int dividing the number of chunks "
@@ -1130,7 +1132,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         if w is not None and w not in (1, 2, 4, 8, 16):
             raise ValueError(f"`{name}` must be 1, 2, 4, 8 or 16 (warps per program), got {w!r}")
     if bv is None:
-        bv = V if target == "tpu" else (min(V, split_bv(C)) if state_split > 1 else default_bv(BHs, V))
+        bv = V if target == "tpu" else (min(V, split_bv(C, low)) if state_split > 1 else default_bv(BHs, V))
     if num_warps_state is None:
         num_warps_state = default_warps_state(bv)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,

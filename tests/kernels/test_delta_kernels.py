@@ -42,7 +42,9 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def make_inputs(seed, gates="uniform", dtype=np.float32):
+def make_inputs(seed, gates="uniform", dtype=np.float32, shape=None):
+    """``shape``: ``(B, T, H, K, V)`` (default the module's)."""
+    B, T, H, K, V = shape or (globals()["B"], globals()["T"], globals()["H"], globals()["K"], globals()["V"])
     r = np.random.default_rng(seed)
     f = np.float32
     k = r.normal(size=(B, T, H, K))
@@ -80,7 +82,7 @@ def make_inputs(seed, gates="uniform", dtype=np.float32):
         gc, gs = np.maximum(gc, -1e3), np.maximum(gs, -1e3)
     x["g"], x["gs"] = gc.astype(f), gs.astype(f)
     seg = np.zeros((B, T), np.int32)
-    for b, cuts in enumerate(([20, 32, 33, 64], [1, 50])):  # resets mid-tile, on chunk edges, adjacent
+    for b, cuts in zip(range(B), ([20, 32, 33, 64], [1, 50])):  # resets mid-tile, on chunk edges, adjacent
         for c in cuts:
             seg[b, c:] += 1
     x["seg"] = seg
@@ -295,6 +297,21 @@ def test_chunks_per_program(rule, G, order):
         kd.chunk_delta_rule(q, k, v, beta, target="gpu", interpret=True, chunks_per_program=2, chunk_size=64)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="a compiled launch's shared memory: GPUs only")
+@pytest.mark.parametrize("rule,T", [("delta", 128), ("kda", 128), ("gdn", 2048)])
+def test_f32_launches_fit_at_full_width(rule, T):
+    """f32 inputs at K = V = 128: the default launches fit a GPU's shared memory — the backward's looped
+    intra-chunk kernels (an even chunk count: T = 128) asked for 339 KB (DeltaNet) and 484 KB (KDA) of an
+    H200's 227 KB, and split state passes (T = 2048 with one sequence of two heads) 128 columns wide for
+    233 KB. Compiled, fwd+bwd with resets and an initial state against the reference, to 1e-4."""
+    x = make_inputs(13, shape=(1, T, 2, 128, 128))
+    from kernels.delta import api
+    q = jnp.asarray(x["q"])
+    spec = api._debug_spec(q, q, jnp.asarray(x["v"]), None, jnp.asarray(x["beta"]))[0]
+    assert spec.chunks_per_program == 1 and (spec.bv <= 64 or T < 2048)
+    check(rule, x, True, 1e-4)
+
+
 def test_default_chunks_per_program():
     """``chunks_per_program="auto"``: on GPUs ``PROGRAM_CHUNKS`` chunks a program where that divides the
     chunk count, except for the scalar gate (GDN); 1 on TPUs."""
@@ -306,9 +323,13 @@ def test_default_chunks_per_program():
     assert api.default_chunks_per_program("gpu", "none", 4 * G + 1) == 1
     assert api.default_chunks_per_program("tpu", "none", 4 * G) == 1
     assert api.default_chunks_per_program("gpu", "none", 4 * G, 64) == 1  # C > 32: one chunk (shared memory)
+    assert api.default_chunks_per_program("gpu", "channel", 4 * G, 32, low=False) == 1  # f32: shared memory too
+    assert api.split_bv(32) == api.SPLIT_BV and api.split_bv(32, low=False) == api.split_bv(64) == 64
     x = jnp.zeros((1, 256, 2, 16), jnp.bfloat16)
     assert api._debug_spec(x, x, x, None, x[..., 0])[0].chunks_per_program == G        # 8 chunks of 32
     assert api._debug_spec(x, x, x, x[..., 0].astype(jnp.float32), x[..., 0])[0].chunks_per_program == 1  # GDN
+    x32 = x.astype(jnp.float32)
+    assert api._debug_spec(x32, x32, x32, None, x32[..., 0])[0].chunks_per_program == 1  # f32 inputs
 
 
 def test_default_state_split():
