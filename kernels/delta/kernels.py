@@ -1023,13 +1023,15 @@ def intra_bwd_scores(cfg: Cfg, *refs):
 def whole_back_solve(cfg: Cfg) -> bool:
     """Whether the backward's solve kernel is :func:`intra_bwd_solve_whole` (else :func:`intra_bwd_solve`):
     with the whole-chunk forms, and after the tile kernels with 16-bit inputs (KDA; DeltaNet and GDN with
-    ``intra="tiles"``), where it first merges the tile inverses ``KK`` carries; f32 inputs keep the tile
-    kernel (not measured whole). The tile kernel's 16-row products lower with both warps over the same
-    rows (Triton 3.6: ``warpsPerCTA = [2, 1]`` at 2 warps), each repeating the other's work; the whole one
-    compiles to 1864 SASS instructions per thread against 2416, no spills (bf16, KDA, two chunks a
-    program). Paired on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab --ab_ref``, commit 9f5fb94
-    against the kernels before): KDA fwd+bwd 0.978–0.981 at (2, 8192), (8, 2048) and (1, 32768), exact
-    and bounded gates; the kernel 0.126 ms against 0.185 at (2, 8192)."""
+    ``intra="tiles"``), where it first merges the tile inverses ``KK`` carries. The tile kernel's 16-row
+    products lower with both warps over the same rows (Triton 3.6: ``warpsPerCTA = [2, 1]`` at 2 warps),
+    each repeating the other's work; the whole one compiles to 1864 SASS instructions per thread against
+    2416, no spills (bf16, KDA, two chunks a program). Paired on one H200 (bf16, H 16, D 128, ``kernel_bench
+    --parts ab --ab_ref``, commit 9f5fb94 against the kernels before): KDA fwd+bwd 0.978–0.981 at (2, 8192),
+    (8, 2048) and (1, 32768), exact and bounded gates; the kernel 0.126 ms against 0.185 at (2, 8192).
+    f32 inputs keep the tile kernel, although the whole one took their fwd+bwd 0.957× (KDA) and 0.983×
+    (DeltaNet) paired at (2, 8192) (``knobs_h200.json``, ``paired.whole_back_solve_f32``): taking it for
+    every input retires the GPU's tile solve kernel, a change of its own."""
     return cfg.intra != "tiles" or cfg.mm_dtype != F32
 
 
