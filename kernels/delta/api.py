@@ -635,7 +635,7 @@ def _state_backward(s: Spec, A, M, do, qk: _QK, W, dend, dsT):
 
 
 def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
-    """``dq, dk, dv, dβ[, dg]``. GPU: two pallas_calls, ``intra_bwd_solve`` (``dv``, and a hand-off
+    """``dq, dk, dv, dβ[, dg]``. GPU: two pallas_calls, ``intra_bwd_solve_whole`` (``dv``, and a hand-off
     ``dKK [C, C]`` and partial ``dβ [C, 1]`` in f32 and ``dR_u [C, V]`` in the bulk matmuls' operand
     dtype — its one use, ``dR_w = −dR_u Sᵀ``, rounds it to that — so ``4·(C + 1) + 2·V`` bytes per
     token·head for 16-bit inputs, written, then read) and ``intra_bwd_scores`` (``dq, dk, dβ, dg``) — each holds about half the
@@ -669,7 +669,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
         sspecs.append(_tok_spec(s, C, 1, lambda b, h_, n: (b, n, 0, 0)))
     whole = s.cfg.intra in ("whole", "halves")
     dv, dbp, dkk, dru = _call(
-        s, functools.partial(kn.intra_bwd_solve_whole if kn.whole_back_solve(s.cfg) else kn.intra_bwd_solve, s.cfg),
+        s, functools.partial(kn.intra_bwd_solve_whole, s.cfg),
         grid=grid,
         in_specs=sspecs + [tc, tv, tv],
         out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, s.cfg.mm_dtype)],

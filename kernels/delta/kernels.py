@@ -12,10 +12,10 @@ carry the state across chunks:
 ``intra_bwd``          par    ``dq, dk, dv, dβ, dg`` from ``S_n, dS_{n+1}, Ũ, dŨ`` and ``KK``
 =====================  =====  ==================================================
 
-On GPUs ``intra_bwd`` runs as two kernels, ``intra_bwd_solve`` (``dv, dβ``) then
-``intra_bwd_scores`` (``dq, dk, dg``), to keep Triton's register use down (see there). Without
-per-channel gates the three intra-chunk kernels also come in a whole-chunk form (``intra="whole"``:
-:func:`intra_fwd_whole`, :func:`intra_bwd_solve_whole`, :func:`intra_bwd_scores_whole`; one matmul
+On GPUs ``intra_bwd`` runs as two kernels, :func:`intra_bwd_solve_whole` (``dv, dβ``; the back-solve on
+whole-chunk operands for every rule) then ``intra_bwd_scores`` (``dq, dk, dg``), to keep Triton's register
+use down (see there). Without per-channel gates the other two intra-chunk kernels also come in a
+whole-chunk form (``intra="whole"``: :func:`intra_fwd_whole`, :func:`intra_bwd_scores_whole`; one matmul
 per product instead of 16-row tile pairs; the GPU default for 16-bit inputs), and the forward in a form
 that builds a chunk from its two whole halves (``intra="halves"``, :func:`intra_fwd_halves`; the default at
 C = 64). With exact
@@ -25,8 +25,8 @@ kernel everywhere, then :func:`intra_fwd_fixup` on the chunks it flags).
 ``KK`` (f32 ``[C, C]`` per chunk, the backward's residual) is strictly lower; the upper triangles of
 its diagonal tiles carry the transposed inverses ``T_IIᵀ`` of the UT solve's diagonal tiles, so the
 backward's back-solve does not invert them again (the whole-chunk forms store the whole ``(I + A)⁻ᵀ``
-above the diagonal; after the tile kernels, 16-bit inputs merge it from the tiles in the backward:
-:func:`whole_back_solve`). Without per-channel gates (DeltaNet, GDN)
+above the diagonal; after the tile kernels the GPU's back-solve merges it from the tiles:
+:func:`intra_bwd_solve_whole`). Without per-channel gates (DeltaNet, GDN)
 ``q_in = q ⊙ E_in`` and ``k_out = k ⊙ E_out`` scale whole rows: ``intra_fwd`` writes the ``[C, 1]``
 factors in their place and the state passes apply them to their ``[C, bv]`` operands (:func:`row_factors`).
 
@@ -763,7 +763,7 @@ def output(cfg: Cfg, qin_ref, h_ref, m_ref, ut_ref, o_ref):
 # * :func:`_bwd_scores` — back through the decayed scores and the state pass's per-chunk
 #   inputs: ``dq, dk, dg`` (needs S and dS, dO, Ũ; not v, U, W, dŨ).
 #
-# GPU: two pallas_calls (``intra_bwd_solve`` then ``intra_bwd_scores``) with the hand-off in
+# GPU: two pallas_calls (``intra_bwd_solve_whole`` then ``intra_bwd_scores``) with the hand-off in
 # HBM — ``dKK`` in f32, ``dR_u`` in the bulk matmuls' dtype — written and read again, so that each Triton
 # program holds half the tiles (the fused kernel spilled 1.5–7.3 KB per thread). TPU: one
 # kernel (``intra_bwd``) that runs both halves; Mosaic keeps the tiles in VMEM.
@@ -996,18 +996,6 @@ def _load_lower(ref, nb, upper=False):
     return T, up
 
 
-def intra_bwd_solve(cfg: Cfg, *refs):
-    """GPU, first half: ``dv`` and the hand-off ``dKK [C, C]``, partial ``dβ [C, 1]`` (f32), ``dR_u [C, V]``.
-    Inputs ``v, β[, doc], KK, Ũ, dŨ``: no q, k or gate (see :func:`_bwd_solve`)."""
-    r, rest = _split_in(cfg, refs, ("v", "beta", "doc"))
-    kk_ref, ut_ref, dut_ref, dv_ref, dbp_ref, dkk_ref, dru_ref = rest
-    ch = Chunk(dataclasses.replace(cfg, gate="none"), None, r["doc"])  # masks only
-    dKK, dRu, dbeta = _bwd_solve(cfg, ch, r, kk_ref, dut_ref, ut_ref, dv_ref)
-    _store_lower(dkk_ref, dKK)
-    _store_tiles(dru_ref, dRu)
-    _store_tiles(dbp_ref, dbeta)
-
-
 def intra_bwd_scores(cfg: Cfg, *refs):
     """GPU, second half: ``dq, dk, dβ`` and the gate's gradient (:func:`_store_dg`) from the first
     half's hand-off."""
@@ -1020,27 +1008,22 @@ def intra_bwd_scores(cfg: Cfg, *refs):
                 dq_ref, dk_ref, dbeta_ref, rest[10:])
 
 
-def whole_back_solve(cfg: Cfg) -> bool:
-    """Whether the backward's solve kernel is :func:`intra_bwd_solve_whole` (else :func:`intra_bwd_solve`):
-    with the whole-chunk forms, and after the tile kernels with 16-bit inputs (KDA; DeltaNet and GDN with
-    ``intra="tiles"``), where it first merges the tile inverses ``KK`` carries. The tile kernel's 16-row
-    products lower with both warps over the same rows (Triton 3.6: ``warpsPerCTA = [2, 1]`` at 2 warps),
-    each repeating the other's work; the whole one compiles to 1864 SASS instructions per thread against
-    2416, no spills (bf16, KDA, two chunks a program). Paired on one H200 (bf16, H 16, D 128, ``kernel_bench
-    --parts ab --ab_ref``, commit 9f5fb94 against the kernels before): KDA fwd+bwd 0.978–0.981 at (2, 8192),
-    (8, 2048) and (1, 32768), exact and bounded gates; the kernel 0.126 ms against 0.185 at (2, 8192).
-    f32 inputs keep the tile kernel, although the whole one took their fwd+bwd 0.957× (KDA) and 0.983×
-    (DeltaNet) paired at (2, 8192) (``knobs_h200.json``, ``paired.whole_back_solve_f32``): taking it for
-    every input retires the GPU's tile solve kernel, a change of its own."""
-    return cfg.intra != "tiles" or cfg.mm_dtype != F32
-
-
 def intra_bwd_solve_whole(cfg: Cfg, *refs):
-    """:func:`intra_bwd_solve` on whole-chunk operands (``intra="whole"``): ``dR_u = (I + A)⁻ᵀ dŨ`` is one
-    matmul with the transposed inverse :func:`intra_fwd_whole` stored in ``KK``'s upper triangle. After the
-    tile kernel :func:`intra_fwd` (``cfg.intra == "tiles"``, whose ``KK`` holds the 16×16 tile inverses
-    alone) the inverse is first merged whole from them (``unit_lower_inverse_t`` from 16-row blocks: one
-    merge of two ``[C, C]`` products at C = 32)."""
+    """GPU, first half of the intra-chunk backward (every rule): ``dv`` and the hand-off ``dKK [C, C]``,
+    partial ``dβ [C, 1]`` (f32), ``dR_u [C, V]`` from ``v, β[, doc], KK, Ũ, dŨ`` (no q, k or gate; the
+    terms of :func:`_bwd_solve`, which the TPU kernel runs on tiles). ``dR_u = (I + A)⁻ᵀ dŨ`` is one matmul
+    with the transposed inverse the whole-chunk forward kernels store in ``KK``'s upper triangle; after the
+    tile kernel :func:`intra_fwd` (``cfg.intra == "tiles"``: KDA, f32 inputs), whose ``KK`` holds the 16×16
+    tile inverses alone, the inverse is first merged whole from them (``unit_lower_inverse_t`` from 16-row
+    blocks: one merge of two ``[C, C]`` products at C = 32).
+
+    A back-solve on 16-row tiles lowered with both warps over the same rows (Triton 3.6: a chained dot with
+    M ≥ N gets ``warpsPerCTA = [2, 1]`` at 2 warps), each repeating the other's work; this kernel compiles to
+    1864 SASS instructions per thread against the tile kernel's 2416, no spills (bf16, KDA, two chunks a
+    program). Paired on one H200 (H 16, D 128, ``kernel_bench --parts ab --ab_ref``; ``knobs_h200.json``):
+    16-bit KDA fwd+bwd 0.978–0.981 at (2, 8192), (8, 2048) and (1, 32768), exact and bounded gates (commit
+    9f5fb94; the kernel 0.126 ms against 0.185 at (2, 8192)); f32 inputs 0.957 (KDA) and 0.983 (DeltaNet) at
+    (2, 8192), 0.962 and 0.986 at (8, 2048) (commit a10b2fb, ``paired.whole_back_solve_f32``)."""
     r, rest = _split_in(cfg, refs, ("v", "beta", "doc"))
     kk_ref, ut_ref, dut_ref, dv_ref, dbp_ref, dkk_ref, dru_ref = rest
     C = cfg.chunk

@@ -191,7 +191,7 @@ def test_bf16_inputs(rule):
 @pytest.mark.parametrize("rule", ["gdn", pytest.param("delta", marks=pytest.mark.slow)])
 def test_bf16_tile_forward_with_the_whole_back_solve(rule):
     """16-bit DeltaNet / GDN with ``intra="tiles"``: the tile forward kernel stores only the 16×16 tile
-    inverses in ``KK``, and the backward's whole solve kernel merges them (``kernels.whole_back_solve``) —
+    inverses in ``KK``, and the backward's solve kernel merges them (``kernels.intra_bwd_solve_whole``) —
     forward, final state and every gradient against the reference, with resets, to 1e-2."""
     check(rule, make_inputs(3, dtype=jnp.bfloat16), True, 1e-2, target="gpu", tuning=(("intra", "tiles"),))
 
@@ -805,7 +805,7 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     # exact per-channel gates: two forward passes (anchored_fwd="fixup"), at the same warps
     assert len(intra) == (2 if rule == "kda" else 1) and all(got[n] == fwd for n in intra)
     assert len(solve) == 1 and got[solve[0]] == 2
-    # 16-bit inputs: the whole back-solve for every rule (kernels.whole_back_solve; KDA merges its tile inverses)
+    # the whole back-solve for every rule and dtype (KDA and f32 inputs merge the tile inverses KK carries)
     assert "solve_whole" in solve[0]
     assert all(w == 4 for n, w in got.items() if n not in scores + intra + solve)
     assert launches(num_warps_scores=2)[scores[0]] == 2
@@ -814,7 +814,7 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     f32 = launches(jnp.float32)  # f32 tiles spill at 4 already
     f32_intra = [n for n in f32 if "intra_fwd" in n or "intra_bwd_solve" in n]
     assert len(f32_intra) == len(intra) + 1 and all(f32[n] == 4 for n in f32_intra)
-    assert not any("solve_whole" in n for n in f32)  # f32: the tile back-solve
+    assert [n for n in f32 if "intra_bwd_solve" in n] == [solve[0]]  # f32: the same whole back-solve
     with pytest.raises(ValueError, match="num_warps_scores"):
         launches(num_warps_scores=3)
     with pytest.raises(ValueError, match="num_warps_fwd"):
