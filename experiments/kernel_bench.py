@@ -49,6 +49,7 @@ Usage (on the device; fla-core installed with ``--target`` from a carried wheel)
         --ab state_split=8,bv=128,num_warps_state=8                        # split state passes, paired
     python -m experiments.kernel_bench --parts profile --shapes 2,8192 --methods pallas,fla   # kernel by kernel
     python -m experiments.kernel_bench --parts ab --ab_ref OTHER/kernels/delta --ab_dtype f32   # two trees, f32 inputs
+    python -m experiments.kernel_bench --parts profile --shapes 2,8192 --methods pallas --profile_dtype f32   # f32
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` under ``--out``.
 """
@@ -571,10 +572,12 @@ def torch_profile(run, calls=PROFILE_CALLS, top=20) -> dict:
             "top": [{"name": n[:160], "ms_per_call": ms, "launches_per_call": c} for n, ms, c in rows[:top]]}
 
 
-def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_size=None, over=lambda: False):
+def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_size=None, over=lambda: False,
+                 dtype="bf16"):
     """Per-kernel GPU time inside one whole call, ours (the Pallas kernels and XLA's own ops, from
     ``jax.profiler``'s trace: ``experiments.op_profile``) beside fla's (torch's profiler), per
-    (shape, rule, mode); into ``results["profile"]``."""
+    (shape, rule, mode); into ``results["profile"]``. ``dtype`` (``--profile_dtype``, a key of ``AB_DTYPES``):
+    q, k, v and β in bf16 (the benchmark's) or f32; f32 keys end in `` f32``."""
     from experiments import op_profile
     fla = None
     if "fla" in methods:
@@ -588,8 +591,9 @@ def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_
         if over():
             log("budget reached: skipping profile", (B, T))
             continue
-        x = make_inputs(B, T)
-        keys = [(rule, mode, f"({B}, {T}) {rule} {mode}") for rule in rules for mode in ("fwd", "fwdbwd")]
+        x = make_inputs(B, T, AB_DTYPES[dtype])
+        tag = "" if dtype == "bf16" else f" {dtype}"
+        keys = [(rule, mode, f"({B}, {T}) {rule} {mode}{tag}") for rule in rules for mode in ("fwd", "fwdbwd")]
         # all of ours first: once torch's profiler has subscribed to CUPTI, jax.profiler's tracer cannot
         for rule, mode, key in keys if "pallas" in methods else ():
             try:
@@ -826,6 +830,8 @@ def main(argv=None):
                     help="--parts ab: multiply the log-decay gates by this (> 0; e.g. 400: no KDA tile anchorable)")
     ap.add_argument("--ab_dtype", default="bf16", choices=tuple(AB_DTYPES),
                     help="--parts ab: the dtype of q, k, v and beta (gates stay f32)")
+    ap.add_argument("--profile_dtype", default="bf16", choices=tuple(AB_DTYPES),
+                    help="--parts profile: the dtype of q, k, v and beta (gates stay f32)")
     ap.add_argument("--pallas_tuning", default="",
                     help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores,"
                          "fuse_output=0,state_bwd=triton,inverse=loop,state_split=8 (or auto),grid_order=nbh")
@@ -868,7 +874,7 @@ def main(argv=None):
     results = {"date": datetime.date.today().isoformat(), "commit": commit,
                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "H": H, "D": D,
                "chunk": CHUNK, "pallas_chunk": pc, "pallas_tuning": dict(PALLAS_TUNING), "ab_knobs": knobs_b,
-               "ab_ref": args.ab_ref, "rules": rules, "reps": args.reps}
+               "ab_ref": args.ab_ref, "rules": rules, "reps": args.reps, "profile_dtype": args.profile_dtype}
     path = os.path.join(args.out, "kernel_bench.json")
 
     def save():
@@ -904,7 +910,7 @@ def main(argv=None):
         part_mosaic(results, shapes, reps)
         save()
     if "profile" in parts:
-        part_profile(results, shapes, rules, methods, pc, over)
+        part_profile(results, shapes, rules, methods, pc, over, dtype=args.profile_dtype)
         save()
     if "ab" in parts:
         part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes, ref=ref,

@@ -144,7 +144,8 @@ def test_ab_ref_runs_another_checkouts_kernels_as_a(tiny, monkeypatch, tmp_path,
                                            (["--parts", "ab", "--ab", "inverse=neumann"], "--ab: inverse must be"),
                                            (["--ab", "fuse_output=2"], "--ab: fuse_output must be 0 or 1"),
                                            (["--ab_modes", "bwd"], "--ab_modes: unknown mode 'bwd'"),
-                                           (["--ab_dtype", "fp8"], "--ab_dtype: invalid choice: 'fp8'")])
+                                           (["--ab_dtype", "fp8"], "--ab_dtype: invalid choice: 'fp8'"),
+                                           (["--profile_dtype", "f16"], "--profile_dtype: invalid choice: 'f16'")])
 def test_bad_ab_flags_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         kb.main(argv + ["--out", "unused"])
@@ -164,6 +165,12 @@ def test_profile_lists_the_kernels_of_one_call(tiny, monkeypatch):
         assert r["top"] and r["busy_ms_per_call"] >= sum(t["ms_per_call"] for t in r["top"]) * (1 - 1e-9)
         assert all(t["ms_per_call"] >= 0 and t["launches_per_call"] > 0 for t in r["top"])
     assert "(1, 64) delta fwd pallas: busy" in kb.profile_table(res, "(1, 64) delta fwd")
+    res, seen = {}, []  # --profile_dtype f32: f32 inputs reach the kernels, and the keys say so
+    orig = kb.rule_call
+    monkeypatch.setattr(kb, "rule_call", lambda f, mode, x, rule: seen.append(x["q"].dtype) or orig(f, mode, x, rule))
+    kb.part_profile(res, [(1, 64)], rules=("delta",), methods=("pallas",), chunk_size=32, dtype="f32")
+    assert set(res["profile"]) == {"(1, 64) delta fwd f32 pallas", "(1, 64) delta fwdbwd f32 pallas"}
+    assert all("error" not in r for r in res["profile"].values()) and set(seen) == {kb.jnp.dtype("float32")}
 
 
 def test_bench_times_steady_state_and_synchronized_calls(tiny, monkeypatch):
