@@ -669,8 +669,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
         sspecs.append(_tok_spec(s, C, 1, lambda b, h_, n: (b, n, 0, 0)))
     whole = s.cfg.intra in ("whole", "halves")
     dv, dbp, dkk, dru = _call(
-        s, functools.partial(kn.intra_bwd_solve_whole, s.cfg),
-        grid=grid,
+        s, functools.partial(kn.intra_bwd_solve_whole, s.cfg), grid=grid,
         in_specs=sspecs + [tc, tv, tv],
         out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, s.cfg.mm_dtype)],
         semantics=par, group=s.chunks_per_program, warps=s.num_warps_solve)(*sargs, KK, ut, dut)
