@@ -857,11 +857,14 @@ def split_bv(C: int, low: bool = True) -> int:
     return SPLIT_BV if C <= 32 and low else min(SPLIT_BV, 64)
 
 
-def default_warps_state(bv: int) -> int:
+def default_warps_state(bv: int, low: bool = True) -> int:
     """GPU: warps of the state passes: 8 for value blocks of 128 columns or more (a 128 × 128 float32
     state is 64 registers per thread at 8 warps; ptxas, bf16: 255 registers, no spills for DeltaNet and
-    KDA, 20 / 40 B for GDN's forward / backward pass), else 4."""
-    return 8 if bv >= 128 else 4
+    KDA, 20 / 40 B for GDN's forward / backward pass) and for f32 inputs (``low=False``: each product is
+    six bf16 MMAs, ``tiles.BF16X6``, so a step is compute- rather than latency-bound; paired on one H200
+    at (2, 8192), 32-wide blocks, 8 warps against 4: forward 0.91× (DeltaNet) and 0.95× (KDA), fwd+bwd
+    0.99× and 0.96×, ``docs/benchmarks.md``), else 4 (bf16: 8 warps took the forward to 1.08–1.32×)."""
+    return 8 if bv >= 128 or not low else 4
 
 
 def _mosaic_fits(C, K, V) -> bool:
@@ -972,14 +975,17 @@ def default_warps_solve(num_warps: int, low: bool = True) -> int:
     return 2 if low else num_warps
 
 
-def default_warps_scores(gate: str, num_warps: int) -> int:
+def default_warps_scores(gate: str, num_warps: int, low: bool = True) -> int:
     """GPU: warps of the backward's scores kernel (dq, dk, dβ, dg). With per-channel gates its tiles
     (decayed q, k and their gradients, K wide) overflow 4 warps' registers — ptxas spilled 1744 B
-    per thread for KDA at 4 warps, 260 B at 8 — so KDA's runs with 8; the other rules' with
+    per thread for KDA at 4 warps, 260 B at 8 — so KDA's runs with 8; so do every rule's with f32
+    inputs (``low=False``: the f32 tiles and their split bf16 parts spilled 3188 B per thread for
+    DeltaNet and 5220 B for GDN at 4 warps, 1000 B and 1492 B at 8); the other rules' with
     ``num_warps``. On one H200 (bf16, (2, 8192), H 16, D 128) KDA's intra-chunk backward took
     4.23 ms with 4 warps and 3.48 with 8; DeltaNet's 1.44 with 4 and 2.40 with 8 (all its kernels
-    at 8 warps)."""
-    return 8 if gate == "channel" else num_warps
+    at 8 warps). With f32 inputs 8 warps took DeltaNet's fwd+bwd to 0.37× and GDN's to 0.40×
+    (paired, ``docs/benchmarks.md``)."""
+    return 8 if gate == "channel" or not low else num_warps
 
 
 def check_chunk_size(chunk_size) -> None:
@@ -1133,12 +1139,12 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if bv is None:
         bv = V if target == "tpu" else (min(V, split_bv(C, low)) if state_split > 1 else default_bv(BHs, V))
     if num_warps_state is None:
-        num_warps_state = default_warps_state(bv)
+        num_warps_state = default_warps_state(bv, low)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
              store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
              num_warps=num_warps, num_warps_state=num_warps_state,
              num_stages_state=STATE_STAGES if num_stages_state is None else int(num_stages_state),
-             num_warps_scores=(default_warps_scores(cfg.gate, num_warps) if num_warps_scores is None
+             num_warps_scores=(default_warps_scores(cfg.gate, num_warps, low) if num_warps_scores is None
                                else int(num_warps_scores)),
              num_warps_fwd=(default_warps_fwd(cfg.gate, num_warps, low, C) if num_warps_fwd is None
                             else int(num_warps_fwd)),

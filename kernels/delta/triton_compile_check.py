@@ -198,7 +198,8 @@ def main(argv=None):
     ap.add_argument("--anchored_fwd", default=None, help="kda: fused | fixup (default: the API's)")
     ap.add_argument("--inverse", default=None, help="loop | blocks (default: the API's)")
     ap.add_argument("--bv", type=int, default=None, help="the state passes' value block (default: the API's)")
-    ap.add_argument("--num_warps_state", type=int, default=None, help="the state passes' warps (default: --num_warps)")
+    ap.add_argument("--num_warps_state", type=int, default=None,
+                    help="the state passes' warps (default: --num_warps; 8 for f32 inputs, as the API)")
     ap.add_argument("--num_warps_fwd", type=int, default=None, choices=(1, 2, 4, 8, 16),
                     help="the forward intra-chunk kernel's warps (default: the API's, api.default_warps_fwd)")
     ap.add_argument("--qk_arrays", type=int, choices=(0, 1), default=None,
@@ -244,7 +245,10 @@ def main(argv=None):
                     print(f"{label}{n} kernels lowered", flush=True)
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,
-                                              api.default_warps_scores(kind, args.num_warps), args.num_warps_state,
+                                              api.default_warps_scores(kind, args.num_warps, dtype != "f32"),
+                                              # f32: the state passes' own default (api.default_warps_state)
+                                              args.num_warps_state or (api.default_warps_state(
+                                                  args.bv or 32, False) if dtype == "f32" else None),
                                               args.num_warps_fwd or api.default_warps_fwd(
                                                   kind, args.num_warps, dtype != "f32",
                                                   chunk or api.default_chunk("gpu")),

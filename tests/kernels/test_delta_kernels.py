@@ -347,6 +347,7 @@ def test_default_state_split():
     assert api.default_state_split("gpu", 1, 2 * m + 1, 128) == 1            # P must divide N
     assert api.default_state_split("tpu", 1, 1024, 128) == 1
     assert api.default_warps_state(128) == 8 and api.default_warps_state(32) == 4
+    assert api.default_warps_state(32, low=False) == 8 and api.default_warps_state(64, low=False) == 8
     big = jnp.zeros((1, 32768, 16, 128), jnp.bfloat16)
     s, _ = api._debug_spec(big, big, big, None, big[..., 0])
     assert (s.state_split, s.bv, s.num_warps_state) == (n // 16, api.SPLIT_BV, 8)
@@ -774,7 +775,7 @@ def test_default_value_blocks_fill_the_gpu():
 @pytest.mark.parametrize("rule,warps,fwd", [("kda", 8, 4), ("kda_bounded", 8, 4), ("delta", 4, 2), ("gdn", 4, 2)])
 def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     """GPU launches: the backward's scores kernel runs ``default_warps_scores`` warps (8 for
-    per-channel gates, whose tiles spill at 4), the forward's intra-chunk kernel
+    per-channel gates and f32 inputs, whose tiles spill at 4), the forward's intra-chunk kernel
     ``default_warps_fwd`` (2 for 16-bit inputs without per-channel gates), every other kernel
     ``num_warps``; explicit ``num_warps_scores`` / ``num_warps_fwd`` override the defaults. Traced
     only (no compile)."""
@@ -815,6 +816,9 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     f32_intra = [n for n in f32 if "intra_fwd" in n or "intra_bwd_solve" in n]
     assert len(f32_intra) == len(intra) + 1 and all(f32[n] == 4 for n in f32_intra)
     assert [n for n in f32 if "intra_bwd_solve" in n] == [solve[0]]  # f32: the same whole back-solve
+    f32_scores = [n for n in f32 if "intra_bwd_scores" in n]  # f32: 8 warps for every rule (4 spill)
+    assert len(f32_scores) == 1 and f32[f32_scores[0]] == 8
+    assert launches(jnp.float32, num_warps_scores=4)[f32_scores[0]] == 4
     with pytest.raises(ValueError, match="num_warps_scores"):
         launches(num_warps_scores=3)
     with pytest.raises(ValueError, match="num_warps_fwd"):
