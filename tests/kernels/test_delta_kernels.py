@@ -776,9 +776,9 @@ def test_default_value_blocks_fill_the_gpu():
 def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     """GPU launches: the backward's scores kernel runs ``default_warps_scores`` warps (8 for
     per-channel gates and f32 inputs, whose tiles spill at 4), the forward's intra-chunk kernel
-    ``default_warps_fwd`` (2 for 16-bit inputs without per-channel gates), every other kernel
-    ``num_warps``; explicit ``num_warps_scores`` / ``num_warps_fwd`` override the defaults. Traced
-    only (no compile)."""
+    ``default_warps_fwd`` (2 for 16-bit inputs without per-channel gates), the state passes
+    ``default_warps_state`` (8 for f32 inputs), every other kernel ``num_warps``; explicit
+    ``num_warps_scores`` / ``num_warps_fwd`` override the defaults. Traced only (no compile)."""
     x = make_inputs(2)
     q32, k32, v32, g, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta"))
 
@@ -819,6 +819,9 @@ def test_intra_kernel_warps_follow_the_gate(rule, warps, fwd):
     f32_scores = [n for n in f32 if "intra_bwd_scores" in n]  # f32: 8 warps for every rule (4 spill)
     assert len(f32_scores) == 1 and f32[f32_scores[0]] == 8
     assert launches(jnp.float32, num_warps_scores=4)[f32_scores[0]] == 4
+    f32_state = [n for n in f32 if n.startswith("state_")]  # f32 state passes: 8 warps too (default_warps_state)
+    assert len(f32_state) == 2 and all(f32[n] == 8 for n in f32_state)
+    assert all(got[n] == 4 for n in got if n.startswith("state_"))
     with pytest.raises(ValueError, match="num_warps_scores"):
         launches(num_warps_scores=3)
     with pytest.raises(ValueError, match="num_warps_fwd"):
