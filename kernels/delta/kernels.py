@@ -476,7 +476,6 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs, pairs: bool 
     pipelines all of their loads. ``pairs``: two chunks a step (:func:`_pair_step`), half the
     dependent steps; an odd last chunk takes a step of its own."""
     ins, outs = out.split(cfg, refs)
-    C = cfg.chunk
     dend_ref, h0_ref = ins[3], ins[4]
     st_ref = outs[2]
     step = 2 if pairs else 1

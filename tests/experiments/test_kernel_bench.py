@@ -49,7 +49,6 @@ def test_check_compares_pallas_with_xla(tiny, monkeypatch):
 def test_fwdbwd_call_differentiates_the_rules_inputs_only(tiny, rule):
     """The timed fwd+bwd call returns one gradient per input the rule reads (as fla's call computes),
     equal to the full vjp's gradients at those positions."""
-    import jax
     import numpy as np
     x = kb.make_inputs(1, 32)
     f, args = kb.rule_call(kb.rule_fn(rule, "xla"), "fwdbwd", x, rule)
