@@ -365,8 +365,9 @@ def _intra_fwd(s: Spec, q, k, v, g, beta, doc, *, residuals=True):
         # first pass: the bounded-gate kernel on every chunk, and a [C, 1] column per chunk that is 1 where
         # a diagonal tile's gates span too far to anchor; second pass: the exact kernel on those chunks
         cfg_a = dataclasses.replace(s.cfg, gate_bound=MIN_GATE_BOUND, anchor_when_safe=False)
+        first_body = kn.intra_fwd_whole if s.cfg.intra == "whole" else kn.intra_fwd
         t1 = _tok_spec(s, C, 1, lambda b, h, n: (b, n, h, 0))
-        *first, unsafe = _call(s, functools.partial(kn.intra_fwd, cfg_a, residuals=residuals, flag=True),
+        *first, unsafe = _call(s, functools.partial(first_body, cfg_a, residuals=residuals, flag=True),
                                grid=(s.B, s.H, s.N), in_specs=specs, out_specs=out_specs + [t1],
                                out_shape=out_shape + [jax.ShapeDtypeStruct(_tok_shape(s, 1), F32)],
                                semantics=par, warps=s.num_warps_fwd)(*args)
@@ -667,7 +668,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
     if doc is not None:
         sargs.append(doc)
         sspecs.append(_tok_spec(s, C, 1, lambda b, h_, n: (b, n, 0, 0)))
-    whole = s.cfg.intra in ("whole", "halves")
+    whole = s.cfg.intra in ("whole", "halves") and not s.cfg.channel
     dv, dbp, dkk, dru = _call(
         s, functools.partial(kn.intra_bwd_solve_whole, s.cfg), grid=grid,
         in_specs=sspecs + [tc, tv, tv],
@@ -1039,8 +1040,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`target` must be one of {TARGETS}, got {target!r}")
     if intra != "auto" and intra not in INTRAS:
         raise ValueError(f"`intra` must be 'auto' or one of {INTRAS}, got {intra!r}")
-    if intra in ("whole", "halves") and gate == "channel":
-        raise ValueError(f"`intra={intra!r}` takes scalar or no gates; per-channel gates (KDA) need 'tiles'")
+    if intra == "halves" and gate == "channel":
+        raise ValueError("`intra='halves'` takes scalar or no gates; per-channel gates (KDA) take 'tiles' or 'whole'")
     if intra in ("whole", "halves") and target == "tpu":
         raise ValueError(f"`intra={intra!r}` is a GPU kernel form; `target='tpu'` needs 'tiles'")
     if chunk_size is None:
@@ -1062,6 +1063,13 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if io_dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         io_dtype = jnp.dtype(jnp.float32)
     low = io_dtype != jnp.float32
+    if intra == "whole" and gate == "channel":
+        if not low:
+            raise ValueError("`intra='whole'` with per-channel gates (KDA) takes 16-bit q, k, v; f32 inputs need "
+                             "'tiles'")
+        if gate_bound is not None and (C // 2) * -gate_bound > kn.WHOLE_SPAN:
+            raise ValueError(f"`intra='whole'` with per-channel gates anchors a chunk at its middle row: it takes "
+                             f"`gate_lower_bound` >= {-kn.WHOLE_SPAN / (C // 2)} at chunk_size {C}, got {gate_bound}")
     if scale is None:
         scale = K0 ** -0.5
     # f32 dots: HIGHEST on TPU (Mosaic); on GPU six bf16 MMAs (tiles.BF16X6, f32-accurate) — Triton's

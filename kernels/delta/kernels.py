@@ -16,7 +16,8 @@ On GPUs ``intra_bwd`` runs as two kernels, :func:`intra_bwd_solve_whole` (``dv, 
 whole-chunk operands for every rule) then ``intra_bwd_scores`` (``dq, dk, dg``), to keep Triton's register
 use down (see there). Without per-channel gates the other two intra-chunk kernels also come in a
 whole-chunk form (``intra="whole"``: :func:`intra_fwd_whole`, :func:`intra_bwd_scores_whole`; one matmul
-per product instead of 16-row tile pairs; the GPU default for 16-bit inputs), and the forward in a form
+per product instead of 16-row tile pairs; the GPU default for 16-bit inputs; with per-channel gates the
+forward kernel alone, the chunk anchored at its middle row), and the forward in a form
 that builds a chunk from its two whole halves (``intra="halves"``, :func:`intra_fwd_halves`; the default at
 C = 64). With exact
 per-channel gates ``intra_fwd`` runs as two passes on GPUs (``anchored_fwd="fixup"``: the bounded-gate
@@ -47,10 +48,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .tiles import (
-    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, exp, get_col, get_diag, inverse_prec,
+    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, exp, get_col, get_diag, get_row, inverse_prec,
     iota, load_rows, mm, prefix_sum, row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows,
-    unit_lower_inverse_t, ut_matrix, ut_system,
+    tri_dot, unit_lower_inverse_t, ut_matrix, ut_system,
 )
+
+WHOLE_SPAN = 80.0  # per-channel gates, intra="whole": largest |P_i − P_m| of a chunk anchored at its middle row
 
 
 def _split_in(cfg: Cfg, refs, names):
@@ -159,15 +162,7 @@ def _whole_gates(cfg: Cfg, r, C: int):
     the causal, same-document entries. Documents zero ``E_in`` after the chunk's first reset, ``E_out``
     before its last and ``d_end`` where the chunk holds a reset."""
     ri, ci = iota((C, C), 0), iota((C, C), 1)
-    causal = ri >= ci
-    sees = last = sees_last = None
-    if cfg.docs:
-        doc = r["doc"][...].astype(F32)                                      # [C, 1]: document index in the chunk
-        causal = causal & (doc == col_to_row(doc, cfg.transpose))
-        doc_last = load_rows(r["doc"], C - 1, 1)                             # [1, 1]
-        sees = (doc == 0.0).astype(F32)
-        last = (doc == doc_last).astype(F32)
-        sees_last = (doc_last == 0.0).astype(F32)
+    causal, sees, last, sees_last = _whole_docs(cfg, r, C)
     if not cfg.gated:
         return jnp.where(causal, 1.0, 0.0), sees, last, sees_last
     if gate_prefix(cfg):  # 16-bit inputs: the chunk's prefix sums
@@ -197,13 +192,50 @@ def _whole_gates(cfg: Cfg, r, C: int):
     return decay, ein, eout, _mul(exp(jnp.sum(g_row, axis=1, keepdims=True)), sees_last)
 
 
+def _whole_docs(cfg: Cfg, r, C: int):
+    """``(causal, sees, last, sees_last)`` of a whole chunk: the ``[C, C]`` causal (diagonal included),
+    same-document mask; ``[C, 1]`` 0/1 columns "no reset since the chunk's start" and "in the chunk's last
+    document", and ``[1, 1]`` "no reset in the chunk" (the three None without documents)."""
+    ri, ci = iota((C, C), 0), iota((C, C), 1)
+    causal = ri >= ci
+    if not cfg.docs:
+        return causal, None, None, None
+    doc = r["doc"][...].astype(F32)                                          # [C, 1]: document index in the chunk
+    causal = causal & (doc == col_to_row(doc, cfg.transpose))
+    doc_last = load_rows(r["doc"], C - 1, 1)                                 # [1, 1]
+    return (causal, (doc == 0.0).astype(F32), (doc == doc_last).astype(F32),
+            (doc_last == 0.0).astype(F32))
+
+
+def _whole_channel(cfg: Cfg, r, C: int):
+    """Per-channel gates whose in-chunk sums stay within ``WHOLE_SPAN`` of the chunk's middle row ``m``
+    (bounded gates: ``(C/2)·|bound| <= WHOLE_SPAN``; exact gates: the chunks whose ``span`` allows it — the
+    first pass of ``anchored_fwd="fixup"`` flags the others),
+    whole chunk (:func:`intra_fwd_whole`): ``(causal, up, down, ein, eout, d_end, span)`` with ``P_i`` the gates'
+    sum over rows ``1..i`` (row 0's own gate left out: a huge gate there costs no precision) and
+    ``up = e^{P − P_m}``, ``down = e^{P_m − P}`` ``[C, K]`` — a decayed score is one matmul,
+    ``(l ⊙ up)(r ⊙ down)ᵀ``, masked after it (the masked upper triangle may overflow; a ``where`` drops it).
+    ``ein = e^{g_0 + P}``, ``eout = e^{P_last − P}``, ``d_end = e^{g_0 + P_last}`` (documents as in
+    :func:`_whole_gates`); ``span [1, K]``: ``min(P_m − P_0, P_last − P_m)``, the larger distance from the
+    anchor (gates ``<= 0``: ``P`` is monotone)."""
+    ri, ci = iota((C, C), 0), iota((C, C), 1)
+    causal, sees, last, sees_last = _whole_docs(cfg, r, C)
+    g = r["g"][...].astype(F32)                                              # [C, K]
+    P = tri_dot((ci <= ri) & (ci >= 1), g)                                   # [C, K], exact in f32 (3 bf16 MMAs)
+    g0, pm, pl_ = load_rows(r["g"], 0, 1), get_row(P, C // 2), get_row(P, C - 1)
+    up, down = exp(P - pm), exp(pm - P)
+    ein = _mul(exp(g0 + P), sees)
+    eout = _mul(exp(pl_ - P), last)
+    return causal, up, down, ein, eout, _mul(exp(g0 + pl_), sees_last), jnp.minimum(pm, pl_ - pm)
+
+
 def _whole_in(cfg: Cfg, ref):
     """A whole ``[C, D]`` block as the bulk matmuls take it (16-bit as stored, else f32)."""
     x = ref[...]
     return x if cfg.mm_dtype != F32 else x.astype(F32)
 
 
-def _whole_solve(cfg: Cfg, r, C: int, uw: bool = True, factors=None):
+def _whole_solve(cfg: Cfg, r, C: int, uw: bool = True, factors=None, gates=None):
     """One chunk's (or half-chunk's, :func:`intra_fwd_halves`) whole-chunk forward products from the input
     refs ``r``: ``(q, k, v, beta, ein, eout, d_end, KK, M, tt, U, W)`` — ``KK`` the decayed ``k kᵀ`` (strictly
     lower), ``M`` the decayed, scaled scores, ``tt = (I + A)⁻ᵀ``, ``U``, ``W`` in f32 (None unless ``uw``);
@@ -213,12 +245,20 @@ def _whole_solve(cfg: Cfg, r, C: int, uw: bool = True, factors=None):
     ri, ci = iota((C, C), 0), iota((C, C), 1)
     q, k, v = _whole_in(cfg, r["q"]), _whole_in(cfg, r["k"]), _whole_in(cfg, r["v"])
     beta = r["beta"][...].astype(F32)                                        # [C, 1]
-    decay, ein, eout, d_end = _whole_gates(cfg, r, C)
-    if factors is not None:
-        factors(r["q"][...], r["k"][...], ein, eout)
-    # 16-bit inputs: k kᵀ from the stored values with f32 accumulation is the solve's tf32 product exactly
-    KK = jnp.where(ri > ci, dot(k, k, tb=True, precision=cfg.solve_prec) * decay, 0.0)
-    M = mm(cfg, q, k, tb=True) * (decay * cfg.scale)
+    if cfg.channel:
+        causal, up, down, ein, eout, d_end, _ = gates if gates is not None else _whole_channel(cfg, r, C)
+        if factors is not None:
+            factors(r["q"][...], r["k"][...], ein, eout)
+        kd = k.astype(F32) * down
+        KK = jnp.where(causal & (ri > ci), dot(k.astype(F32) * up, kd, tb=True, precision=cfg.solve_prec), 0.0)
+        M = jnp.where(causal, mm(cfg, q.astype(F32) * up, kd, tb=True), 0.0) * cfg.scale
+    else:
+        decay, ein, eout, d_end = _whole_gates(cfg, r, C)
+        if factors is not None:
+            factors(r["q"][...], r["k"][...], ein, eout)
+        # 16-bit inputs: k kᵀ from the stored values with f32 accumulation is the solve's tf32 product exactly
+        KK = jnp.where(ri > ci, dot(k, k, tb=True, precision=cfg.solve_prec) * decay, 0.0)
+        M = mm(cfg, q, k, tb=True) * (decay * cfg.scale)
     tt = unit_lower_inverse_t(beta * KK, False, "blocks", inverse_prec(cfg))  # (I + A)⁻ᵀ
     if not uw:
         return q, k, v, beta, ein, eout, d_end, KK, M, tt, None, None
@@ -250,32 +290,47 @@ def _store_factors(cfg: Cfg, qin_ref, kout_ref, rows, q, k, ein, eout):
         kout_ref[rows, :] = _mul(one, eout).astype(kout_ref.dtype)
 
 
-def _store_dend(dend_ref, d_end):
+def _store_dend(cfg: Cfg, dend_ref, d_end):
     K = dend_ref.shape[0]
-    d = jnp.ones((K, 1), F32) if d_end is None else jnp.broadcast_to(d_end, (K, 1))
+    if d_end is None:
+        d = jnp.ones((K, 1), F32)
+    elif cfg.channel:
+        d = row_to_col(d_end, cfg.transpose)
+    else:
+        d = jnp.broadcast_to(d_end, (K, 1))
     dend_ref[...] = d.astype(dend_ref.dtype)
 
 
-def intra_fwd_whole(cfg: Cfg, *refs, residuals: bool = True):
-    """:func:`intra_fwd` without per-channel gates (DeltaNet, GDN), on whole-chunk operands (``intra="whole"``):
-    each product is one ``[C, C]`` or ``[C, D]`` matmul instead of 16-row tile pairs, and ``(I + A)⁻¹`` is
-    inverted whole by recursive doubling (``unit_lower_inverse_t``, "blocks"). Same outputs, except that
-    ``KK`` carries the whole transposed inverse ``(I + A)⁻ᵀ`` on and above its diagonal (its diagonal
-    16×16 blocks are the tile inverses :func:`intra_fwd` stores there; :func:`intra_bwd_solve_whole` reads
-    all of it). Gates: :func:`_whole_gates`."""
-    assert not cfg.channel, "intra_fwd_whole: scalar or no gates"
+def intra_fwd_whole(cfg: Cfg, *refs, residuals: bool = True, flag: bool = False):
+    """:func:`intra_fwd` on whole-chunk operands (``intra="whole"``): each product is one ``[C, C]`` or ``[C, D]``
+    matmul instead of 16-row tile pairs, and ``(I + A)⁻¹`` is inverted whole by recursive doubling
+    (``unit_lower_inverse_t``, "blocks"). Same outputs, except that ``KK`` carries the whole transposed inverse
+    ``(I + A)⁻ᵀ`` on and above its diagonal (its diagonal 16×16 blocks are the tile inverses :func:`intra_fwd`
+    stores there; :func:`intra_bwd_solve_whole` reads all of it, or merges it again from those blocks after
+    per-channel gates, whose chunks may come from :func:`intra_fwd_fixup`). Gates: :func:`_whole_gates`
+    (scalar, none); per-channel ones (16-bit KDA) anchored at the chunk's middle row, :func:`_whole_channel`
+    — bounded gates whose span allows it, or (``flag``, exact gates: the first pass of
+    ``anchored_fwd="fixup"``) with a ``[C, 1]`` column that is 1 where the chunk spans more than
+    ``WHOLE_SPAN`` from its anchor (that chunk's outputs here are then not to be used), as :func:`intra_fwd`'s."""
     r, outs = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
+    if flag:
+        *outs, flag_ref = outs
     w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, kk = _whole_outs(cfg, outs)
     C = cfg.chunk
     ri, ci = iota((C, C), 0), iota((C, C), 1)
+    gates = _whole_channel(cfg, r, C) if cfg.channel else None
+    if flag:  # exact per-channel gates, first pass of anchored_fwd="fixup": 1 where the chunk spans too far
+        safe = jnp.min(gates[-1]) >= -WHOLE_SPAN
+        flag_ref[...] = jnp.broadcast_to(jnp.where(safe, 0.0, 1.0), flag_ref.shape).astype(flag_ref.dtype)
     *_, d_end, KK, M, tt, U, W = _whole_solve(
-        cfg, r, C, factors=lambda q, k, ein, eout: _store_factors(cfg, qin_ref, kout_ref, slice(None), q, k, ein, eout))
+        cfg, r, C, factors=lambda q, k, ein, eout: _store_factors(cfg, qin_ref, kout_ref, slice(None), q, k, ein, eout),
+        gates=gates)
     u_ref[...] = U.astype(u_ref.dtype)
     w_ref[...] = W.astype(w_ref.dtype)
     m_ref[...] = M.astype(m_ref.dtype)
     if residuals:
         kk[0][...] = jnp.where(ri > ci, KK, tt).astype(kk[0].dtype)
-    _store_dend(dend_ref, d_end)
+    _store_dend(cfg, dend_ref, d_end)
 
 
 _SOLVE_COLS = 64  # intra_fwd_halves: the column blocks of its last products
@@ -382,7 +437,7 @@ def intra_fwd_halves(cfg: Cfg, *refs, residuals: bool = True):
             out[B, cols] = (dot(tt_b, _mul(beta * rb[x][:, cols].astype(F32), fb), ta=True, precision=ch.solve_prec)
                             - mm(ch, Y, _mul(ba * ra[x][:, cols].astype(F32), fa))).astype(out.dtype)
     _store_factors(cfg, qin_ref, kout_ref, A, ra["q"][...], ra["k"][...], ein_a, _mul(eout_a, d_b))
-    _store_dend(dend_ref, _mul(d_a, d_b))
+    _store_dend(cfg, dend_ref, _mul(d_a, d_b))
 
 
 def intra_fwd_fixup(cfg: Cfg, n_in: int, *refs, residuals: bool = True):
@@ -1035,7 +1090,7 @@ def intra_bwd_solve_whole(cfg: Cfg, *refs):
     KK = jnp.where(ri > ci, kk, 0.0)
     beta = r["beta"][...].astype(F32)
     tt = jnp.where(ri <= ci, kk, 0.0)
-    if cfg.intra == "tiles":  # the diagonal 16×16 blocks of (I + A)⁻ᵀ: merge them whole
+    if cfg.intra == "tiles" or cfg.channel:  # the diagonal 16×16 blocks of (I + A)⁻ᵀ: merge them whole
         sh = SUB.bit_length() - 1
         same = lax.shift_right_logical(ri, sh) == lax.shift_right_logical(ci, sh)
         tt = unit_lower_inverse_t(beta * KK, False, "blocks", inverse_prec(cfg), tt=jnp.where(same, tt, 0.0),

@@ -67,7 +67,7 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
                       **({} if bv is None else {"bv": bv}),
                       **({} if state_pairs is None else {"state_pairs": state_pairs}),
                       **({} if qk_arrays is None or gate.startswith("kda") else {"qk_arrays": qk_arrays}),
-                      **({} if intra is None or gate.startswith("kda") else {"intra": intra}),
+                      **({} if intra is None else {"intra": intra}),
                       **({} if chunks_per_program is None else {"chunks_per_program": chunks_per_program}))
             kda_kw = {**({} if anchored_fwd is None else {"anchored_fwd": anchored_fwd}),
                       **({} if fixup_chunks is None else {"fixup_chunks": fixup_chunks})}
@@ -207,7 +207,7 @@ def main(argv=None):
     ap.add_argument("--state_pairs", type=int, choices=(0, 1), default=None,
                     help="the state_pairs launch knob (default: the API's)")
     ap.add_argument("--intra", choices=INTRAS, default=None,
-                    help="none, gdn: the intra-chunk kernels' form (default: the API's)")
+                    help="the intra-chunk kernels' form (default: the API's; kda: tiles or whole)")
     ap.add_argument("--chunks_per_program", type=int, default=None,
                     help="the backward intra-chunk kernels' chunks per program (default: the API's)")
     ap.add_argument("--fixup_chunks", type=int, default=None,

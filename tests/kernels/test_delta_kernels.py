@@ -598,14 +598,22 @@ def test_state_pairs(rule, T_, dtype):
     pytest.param("gdn", "uniform", True, 16, np.float32, marks=pytest.mark.slow),
     pytest.param("gdn", "uniform", True, 64, np.float32, marks=pytest.mark.slow),
     ("gdn", "unbounded", True, None, jnp.bfloat16),
-    pytest.param("delta", "uniform", True, None, jnp.bfloat16, marks=pytest.mark.slow)])
+    pytest.param("delta", "uniform", True, None, jnp.bfloat16, marks=pytest.mark.slow),
+    ("kda_bounded", "floor", True, None, jnp.bfloat16), ("kda", "mixed", True, None, jnp.bfloat16),
+    pytest.param("kda_bounded", "bound", False, None, jnp.bfloat16, marks=pytest.mark.slow),
+    pytest.param("kda", "unbounded", True, None, jnp.bfloat16, marks=pytest.mark.slow),
+    pytest.param("kda", "uniform", False, 16, jnp.bfloat16, marks=pytest.mark.slow)])
 def test_whole_chunk_kernels(rule, gates, docs, C, dtype):
     """``intra="whole"`` (the GPU default for 16-bit DeltaNet / GDN, :func:`api.default_intra`): the
     forward and both backward intra-chunk kernels on whole ``[C, C]`` / ``[C, D]`` operands (one matmul
     per product, the UT inverse by doubling of the whole chunk, its transpose stored whole in ``KK``'s
     upper triangle) — forward, final state and every gradient against the reference, f32 to 1e-4, bf16
     to 1e-2 (16-bit inputs form the decays from the chunk's prefix sums, f32 ones from per-tile sums:
-    ``kernels._whole_gates``; the default takes this path for 16-bit inputs alone)."""
+    ``kernels._whole_gates``; the default takes this path for 16-bit inputs alone). Per-channel gates (KDA,
+    16-bit inputs): the forward kernel anchors the whole chunk at its middle row (``kernels._whole_channel``:
+    every gate at the −5 bound, "floor", spans 80 there), the backward runs the tile kernels; exact gates
+    whose chunk spans too far ("mixed": −30 per token over 16 tokens; "unbounded") are flagged by the whole
+    kernel and redone by the exact tile kernel (``anchored_fwd="fixup"``)."""
     x = make_inputs(13, gates=gates, dtype=dtype)
     check(rule, x, docs, 1e-4 if dtype == np.float32 else 1e-2, target="gpu", chunk_size=C,
           tuning=(("intra", "whole"),))
@@ -644,9 +652,13 @@ def test_whole_chunk_kernels_are_picked_and_refused_by_name():
     q, k, v, g, beta = a
     with pytest.raises(ValueError, match="intra"):
         kd.chunk_gated_delta_rule(q, k, v, g, beta, target="gpu", interpret=True, intra="rows")
-    with pytest.raises(ValueError, match="intra"):
-        kd.chunk_kda(q, k, v, jnp.broadcast_to(g[..., None], q.shape), beta, target="gpu", interpret=True,
+    gk = jnp.broadcast_to(g[..., None], q.shape)
+    assert kd._debug_spec(q, k, v, gk, beta, gate="channel", intra="whole")[0].cfg.intra == "whole"
+    with pytest.raises(ValueError, match="intra.*16-bit"):
+        kd.chunk_kda(*(x.astype(jnp.float32) for x in (q, k, v)), gk, beta, target="gpu", interpret=True,
                      intra="whole")
+    with pytest.raises(ValueError, match="intra.*gate_lower_bound"):  # chunks of 32 anchored at row 16: -5 at most
+        kd.chunk_kda(q, k, v, gk, beta, gate_lower_bound=-6.0, target="gpu", interpret=True, intra="whole")
     with pytest.raises(ValueError, match="intra"):
         kd.chunk_delta_rule(q, k, v, beta, target="tpu", interpret=True, intra="whole")
     with pytest.raises(ValueError, match="intra"):
