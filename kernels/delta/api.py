@@ -912,21 +912,29 @@ def default_inverse(target: str, gate: str, low: bool) -> str:
     return "blocks" if (target == "gpu" and low and gate in ("none", "scalar")) else "loop"
 
 
-def default_intra(target: str, gate: str, low: bool, C: int = 32) -> str:
+def default_intra(target: str, gate: str, low: bool, C: int = 32, gate_bound=None) -> str:
     """The intra-chunk kernels' form (``intra="auto"``): ``"whole"`` (:func:`kernels.delta.kernels.intra_fwd_whole`
     and the backward's ``*_whole`` kernels: one ``[C, C]`` or ``[C, D]`` matmul per product) on GPUs for 16-bit
-    DeltaNet and Gated DeltaNet, ``"tiles"`` (16-row tile pairs) otherwise. Paired on one H200 (bf16, H 16,
-    D 128, ``kernel_bench --parts ab --pallas_tuning intra=tiles --ab intra=whole``, commit 06f6769), whole /
-    tiles: fwd+bwd 0.922–0.943 (DeltaNet) and 0.901–0.904 (GDN) at (2, 8192), (8, 2048) and (1, 32768);
-    forward 0.97–0.99. With f32 inputs the whole backward
-    scores kernel does not fit (ptxas, sm_90a: 60 KB of spills per thread against the tiles' 3.7–6.0 KB);
-    per-channel gates (KDA) need the tiles' anchored or looped diagonal tiles. Chunks above 32 tokens take
-    ``"halves"`` (:func:`kernels.delta.kernels.intra_fwd_halves`: the forward solves two halves whole and
-    merges them; the backward's kernels as "whole"): at C = 64, paired against "whole" (``kernel_bench
-    --parts ab --pallas_chunk 64 --ab intra=halves``, commit fee572b), forward 0.67–0.73×, fwd+bwd
-    0.74–0.77× for DeltaNet and GDN at (2, 8192) and (8, 2048)."""
-    if not (target == "gpu" and low and gate in ("none", "scalar")):
+    inputs, ``"tiles"`` (16-row tile pairs) otherwise. Paired on one H200 (bf16, H 16, D 128, ``kernel_bench
+    --parts ab --pallas_tuning intra=tiles --ab intra=whole``, commit 06f6769), whole / tiles: fwd+bwd
+    0.922–0.943 (DeltaNet) and 0.901–0.904 (GDN) at (2, 8192), (8, 2048) and (1, 32768); forward 0.97–0.99.
+    With f32 inputs the whole backward scores kernel does not fit (ptxas, sm_90a: 60 KB of spills per thread
+    against the tiles' 3.7–6.0 KB). Per-channel gates (KDA) take the whole form in the forward only (the chunk
+    anchored at its middle row, :func:`kernels.delta.kernels._whole_channel`; the backward's scores kernel
+    keeps the tiles' anchored or looped diagonal tiles), for chunks of at most 32 tokens and gates whose bound
+    ``gate_bound`` (None: exact gates, whose chunks that span too far are redone exactly, ``anchored_fwd``)
+    keeps the anchor's span within ``WHOLE_SPAN``; paired (``--ab intra=whole --rules kdab,kda``, commit
+    006d14f), forward 0.75–0.83×, fwd+bwd 0.90–0.92× at the same shapes, exact and
+    bounded gates. Chunks above 32 tokens take ``"halves"`` without per-channel gates
+    (:func:`kernels.delta.kernels.intra_fwd_halves`: the forward solves two halves whole and merges them; the
+    backward's kernels as "whole"): at C = 64, paired against "whole" (``kernel_bench --parts ab
+    --pallas_chunk 64 --ab intra=halves``, commit fee572b), forward 0.67–0.73×, fwd+bwd 0.74–0.77× for
+    DeltaNet and GDN at (2, 8192) and (8, 2048)."""
+    if not (target == "gpu" and low):
         return "tiles"
+    if gate == "channel":
+        fits = gate_bound is None or (C // 2) * -gate_bound <= kn.WHOLE_SPAN
+        return "whole" if C <= 32 and fits else "tiles"
     return "whole" if C <= 32 else "halves"
 
 
@@ -1082,7 +1090,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if inverse == "auto":
         inverse = default_inverse(target, gate or "none", low)
     if intra == "auto":
-        intra = default_intra(target, gate or "none", low, chunk_size)
+        intra = default_intra(target, gate or "none", low, chunk_size, gate_bound)
     if not (qk_arrays == "auto" or isinstance(qk_arrays, bool)):
         raise ValueError(f"`qk_arrays` must be 'auto', True or False, got {qk_arrays!r}")
     train_qk_arrays = default_qk_arrays(target, gate or "none", intra) if qk_arrays == "auto" else qk_arrays

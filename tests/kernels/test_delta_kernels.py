@@ -188,9 +188,11 @@ def test_bf16_inputs(rule):
     assert g["dq"].dtype == jnp.bfloat16 and g["dS0"].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("rule", ["gdn", pytest.param("delta", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rule", ["gdn", "kda_bounded", pytest.param("delta", marks=pytest.mark.slow),
+                                  pytest.param("kda", marks=pytest.mark.slow)])
 def test_bf16_tile_forward_with_the_whole_back_solve(rule):
-    """16-bit DeltaNet / GDN with ``intra="tiles"``: the tile forward kernel stores only the 16×16 tile
+    """16-bit inputs with ``intra="tiles"`` (KDA's form for bounds below ``-WHOLE_SPAN / (C/2)``): the tile
+    forward kernel stores only the 16×16 tile
     inverses in ``KK``, and the backward's solve kernel merges them (``kernels.intra_bwd_solve_whole``) —
     forward, final state and every gradient against the reference, with resets, to 1e-2."""
     check(rule, make_inputs(3, dtype=jnp.bfloat16), True, 1e-2, target="gpu", tuning=(("intra", "tiles"),))
@@ -492,15 +494,20 @@ def test_bounded_anchored_backward_on_gpu_flavour(gates):
 @pytest.mark.parametrize("gates,dtype,mode,group", [
     ("mixed", np.float32, "fixup", 1), ("mixed", np.float32, "fused", 1), ("mixed", np.float32, "fixup", 3),
     pytest.param("unbounded", np.float32, "fixup", 1, marks=pytest.mark.slow),
+    ("steep", jnp.bfloat16, "fixup", 1),
     pytest.param("mixed", jnp.bfloat16, "fixup", 1, marks=pytest.mark.slow)])
 def test_exact_kda_forward_in_two_passes(gates, dtype, mode, group):
-    """``anchored_fwd="fixup"`` (the default): the bounded-gate intra-chunk kernel on every chunk, then
-    the exact one on the chunks it flags. "mixed" gates put tiles of −30 per token into two of the
-    three chunks: the first pass's outputs there overflow, so the second pass must replace them; the
-    third chunk keeps the first pass's. ``"fused"``: the exact kernel alone, on every chunk.
+    """``anchored_fwd="fixup"`` (the default): the bounded-gate intra-chunk kernel on every chunk (16-bit
+    inputs: the whole-chunk one anchored at the middle row; f32: the tile one), then the exact one on the
+    chunks it flags. "mixed" gates put tiles of −30 per token into two of the three chunks: the first
+    pass's outputs there overflow, so the second pass must replace them; the third chunk keeps the first
+    pass's. "steep": −7 per token (a few 0), past what the whole-chunk anchor spans (16 × 7 = 112 >
+    ``WHOLE_SPAN``), so every chunk must be flagged. ``"fused"``: the exact kernel alone, on every chunk.
     ``fixup_chunks=3`` (``group``): one program of the second pass loops over all three chunks,
     redoing the flagged ones alone — there the −30 tiles sit in the second and third chunks."""
-    x = make_inputs(1, gates=gates, dtype=dtype)
+    x = make_inputs(1, gates="floor" if gates == "steep" else gates, dtype=dtype)
+    if gates == "steep":
+        x["g"] = x["g"] * 1.4
     if group > 1:
         g = x["g"].copy()
         g[:, 16:32, :, :3] = g[:, 16:32, :, 3:6]
@@ -636,11 +643,16 @@ def test_halves_forward_kernel(rule, gates, docs, C, dtype):
 
 
 def test_whole_chunk_kernels_are_picked_and_refused_by_name():
-    """``intra="auto"`` picks the whole-chunk kernels on GPUs for 16-bit DeltaNet / GDN only (``"halves"`` for
-    chunks above 32 tokens); a bad value, per-channel gates, the TPU flavour and halves of fewer than 16 rows
-    are refused naming ``intra``."""
+    """``intra="auto"`` picks the whole-chunk kernels on GPUs for 16-bit inputs only (``"halves"`` for DeltaNet /
+    GDN chunks above 32 tokens; per-channel gates up to 32 tokens, where their bound keeps the anchor's span
+    within ``WHOLE_SPAN``); a bad value, f32 or too-low bounds with per-channel gates, per-channel halves, the
+    TPU flavour and halves of fewer than 16 rows are refused naming ``intra``."""
     assert kd.default_intra("gpu", "scalar", True) == kd.default_intra("gpu", "none", True) == "whole"
-    assert kd.default_intra("gpu", "scalar", False) == kd.default_intra("gpu", "channel", True) == "tiles"
+    assert kd.default_intra("gpu", "scalar", False) == kd.default_intra("gpu", "channel", False) == "tiles"
+    # per-channel gates: the forward kernel anchored at the chunk's middle row, while the bound keeps its span
+    assert kd.default_intra("gpu", "channel", True) == kd.default_intra("gpu", "channel", True, 32, -5.0) == "whole"
+    assert kd.default_intra("gpu", "channel", True, 32, -6.0) == "tiles"
+    assert kd.default_intra("gpu", "channel", True, 16, -8.0) == "whole"
     assert kd.default_intra("tpu", "none", True) == "tiles"
     assert kd.default_intra("gpu", "none", True, 64) == kd.default_intra("gpu", "scalar", True, 64) == "halves"
     assert kd.default_intra("gpu", "channel", True, 64) == kd.default_intra("gpu", "none", False, 64) == "tiles"
@@ -653,7 +665,8 @@ def test_whole_chunk_kernels_are_picked_and_refused_by_name():
     with pytest.raises(ValueError, match="intra"):
         kd.chunk_gated_delta_rule(q, k, v, g, beta, target="gpu", interpret=True, intra="rows")
     gk = jnp.broadcast_to(g[..., None], q.shape)
-    assert kd._debug_spec(q, k, v, gk, beta, gate="channel", intra="whole")[0].cfg.intra == "whole"
+    assert kd._debug_spec(q, k, v, gk, beta, gate="channel")[0].cfg.intra == "whole"
+    assert kd._debug_spec(q, k, v, gk, beta, gate="channel", gate_lower_bound=-6.0)[0].cfg.intra == "tiles"
     with pytest.raises(ValueError, match="intra.*16-bit"):
         kd.chunk_kda(*(x.astype(jnp.float32) for x in (q, k, v)), gk, beta, target="gpu", interpret=True,
                      intra="whole")
