@@ -27,8 +27,8 @@ kernels would need the same port. GPU chunks are 32 tokens (two 16-row tiles): T
 time grows steeply with the unrolled tile pairs (see :func:`default_chunk`), and at 64 tokens the
 state passes take about half their time but the forward's intra-chunk kernel 5–7× its own (one
 H200, DeltaNet and GDN; docs/benchmarks.md, "What limits them") — 2.8–2.9× in the whole-chunk form
-(``intra="whole"``, the 16-bit default for DeltaNet and GDN: :func:`default_intra`), 1.7× when it builds the
-chunk from two whole halves (``intra="halves"``, the default at 64), which then pays only for DeltaNet's
+(``intra="whole"``, the 16-bit default, KDA's in its forward kernel: :func:`default_intra`), 1.7× when it
+builds the chunk from two whole halves (``intra="halves"``, the default at 64), which then pays only for DeltaNet's
 forward and fwd+bwd at (2, 8192) (0.945×, 0.944×; 1.1–1.4× elsewhere). GPU chunks go up to
 ``GPU_MAX_CHUNK`` = 64 tokens. Measured against fla's Triton kernels in the same process:
 docs/benchmarks.md.
@@ -908,7 +908,8 @@ def default_inverse(target: str, gate: str, low: bool) -> str:
     DeltaNet, forward substitution (``"loop"``: 15 dependent masked row/column sums) otherwise. On one
     H200 (bf16, (2, 8192), H 16, D 128, paired rounds, blocks / loop) the forward took 0.86× (DeltaNet)
     and 0.95× (GDN, KDA exact), 1.10× with bounded KDA gates (ptxas spills grow from 152 to 276 B per
-    thread there); fwd+bwd even within 3%."""
+    thread there); fwd+bwd even within 3%. The whole-chunk kernels (``intra="whole"``) always merge blocks;
+    this setting then reaches the tile kernels alone (16-bit KDA: the exact pass over flagged chunks)."""
     return "blocks" if (target == "gpu" and low and gate in ("none", "scalar")) else "loop"
 
 
@@ -964,8 +965,9 @@ def default_warps_fwd(gate: str, num_warps: int, low: bool = True, C: int = 32) 
     and 0.81–0.84× (GDN) at (2, 8192) and (8, 2048), KDA's 1.71–2.06× (its per-channel decay tiles
     do not fit 2 warps' registers). fwd+bwd took 1.02× (DeltaNet) and 1.17× (GDN) there: the
     backward's scores kernel is slower at 2 warps (its solve kernel faster: :func:`default_warps_solve`).
-    KDA's forward runs with ``num_warps``, and so do f32 inputs, whose tiles already spill at 4 warps
-    (ptxas, sm_90a: DeltaNet 924 B per thread at 4 warps, 1868 B at 2; GDN 1416 and 2076 B). The
+    KDA's forward runs with ``num_warps`` (its whole-chunk kernel too: at 8 warps bounded KDA's forward took
+    1.35× at (2, 8192), ``paired.num_warps_fwd_8_kda_whole``), and so do f32 inputs, whose tiles already
+    spill at 4 warps (ptxas, sm_90a: DeltaNet 924 B per thread at 4 warps, 1868 B at 2; GDN 1416 and 2076 B). The
     whole-chunk kernel (:func:`default_intra`) keeps 2: at 4 warps the forward took 1.12× (DeltaNet)
     and 1.11× (GDN) at (2, 8192), fwd+bwd 1.03×. Chunks above 32 tokens take ``num_warps``: at C = 64
     the whole-chunk kernel does not fit 2 warps (ptxas, sm_90a, bf16: 32 registers and 95 KB of spills per

@@ -48,9 +48,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .tiles import (
-    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, exp, get_col, get_diag, get_row, inverse_prec,
-    iota, load_rows, mm, prefix_sum, row_to_col, scores, sm, solve_backward, solve_forward, split_bf16, store_rows,
-    tri_dot, unit_lower_inverse_t, ut_matrix, ut_system,
+    F32, SUB, Cfg, Chunk, Lazy, _mul, anchored, apply_decay, col_to_row, dot, exp, get_col, get_diag, get_row,
+    inverse_prec, iota, load_rows, mm, prefix_sum, row_to_col, scores, sm, solve_backward, solve_forward, split_bf16,
+    store_rows, tri_dot, unit_lower_inverse_t, ut_matrix, ut_system,
 )
 
 WHOLE_SPAN = 80.0  # per-channel gates, intra="whole": largest |P_i − P_m| of a chunk anchored at its middle row
