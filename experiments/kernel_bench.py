@@ -787,7 +787,7 @@ def parse_tuning(ap, flag, text) -> dict:
             if val not in choices[key]:
                 ap.error(f"{flag}: {key} must be one of {choices[key]}, got {val!r}")
             out[key] = val
-        elif key in ("fuse_output", "qk_arrays", "state_pairs"):
+        elif key in ("fuse_output", "qk_arrays", "state_pairs", "transposed_state"):
             if val not in ("0", "1"):
                 ap.error(f"{flag}: {key} must be 0 or 1, got {val!r}")
             out[key] = val == "1"

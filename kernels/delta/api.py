@@ -167,6 +167,7 @@ class Spec:
     grid_order: str = "bhn"  # launch order of the intra-chunk and output kernels' grid (GRID_ORDERS)
     chunks_per_program: int = 1  # GPU: chunks each program of the backward's intra-chunk kernels loops over (_grouped)
     state_pairs: bool = False  # GPU: the forward state pass takes two chunks a step (kernels._pair_step)
+    transposed_state: bool = False  # GPU: a forward-only state pass carries Sᵀ (default_transposed_state)
     train_qk_arrays: bool = False  # cfg.qk_arrays of a differentiated call (_train_spec; cfg: undifferentiated)
     fixup_chunks: int = 1  # GPU, anchored_fwd="fixup": chunks each program of the second forward pass checks
 
@@ -441,7 +442,8 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
         fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
         in_specs, out_specs = [fk, fv, fk, fd, st, fk, fc], [fh, fv, st, fv]
         f1 = _tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))
-        body = functools.partial(kn.state_fwd_loop, s.cfg, N, out, pairs=s.state_pairs)
+        body = functools.partial(kn.state_fwd_loop, s.cfg, N, out, pairs=s.state_pairs,
+                                 transposed=_transposed(s, out))
         grid, semantics, scratch = (s.B, s.H, nv), None, ()
     else:
         ck = _tok_spec(s, C, K, lambda b, h, j, n: (b, n, h, 0))
@@ -466,6 +468,14 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
     it = iter(res)
     full = [next(it) if k_ else None for k_ in keep_out]
     return tuple(full) if out.o else tuple(full[:3])
+
+
+def _transposed(s: Spec, out) -> bool:
+    """Whether the GPU forward state pass with outputs ``out`` (:class:`kernels.delta.kernels.StateOut`) carries
+    the transposed state: ``Spec.transposed_state``, for a pass that takes the output and stores neither ``h``
+    nor ``Ũ``, two chunks a step not asked for, and no row-factor columns."""
+    return bool(s.transposed_state and out.o and not (out.h or out.ut or s.state_pairs)
+                and kn.row_factors(s.cfg) != "columns")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -858,6 +868,19 @@ def split_bv(C: int, low: bool = True) -> int:
     return SPLIT_BV if C <= 32 and low else min(SPLIT_BV, 64)
 
 
+def default_transposed_state(target: str, bv: int, low: bool = True) -> bool:
+    """GPU, ``transposed_state="auto"``: whether a forward-only state pass (an undifferentiated call, the output
+    taken in the pass) carries the transposed state ``Sᵀ [bv, K]`` (:func:`kernels.delta.kernels.state_fwd_loop`),
+    so that every product of a step has ``bv`` rows and runs on ``mma.sync`` — True for 16-bit inputs and value
+    blocks of at most 32 columns. Row-factor columns (GDN, documents without per-channel gates) keep the
+    untransposed loop, whatever this says: the columns would scale ``[C, K]`` operands or be moved into rows
+    every step (ptxas: GDN's loop 2008 SASS instructions per thread, 36 B of spills, against 1264 and none).
+    Paired on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab --ab transposed_state=1``; docs/benchmarks.md):
+    forward 0.94× (DeltaNet) and 0.95× (bounded KDA) at (2, 8192); GDN's forward with the transposed loop and its
+    columns 1.70×."""
+    return target == "gpu" and low and bv <= 32
+
+
 def default_warps_state(bv: int, low: bool = True) -> int:
     """GPU: warps of the state passes: 8 for value blocks of 128 columns or more (a 128 × 128 float32
     state is 64 registers per thread at 8 warps; ptxas, bf16: 255 registers, no spills for DeltaNet and
@@ -1033,7 +1056,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
              state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto",
-             anchored_fwd="fixup", qk_arrays="auto", state_pairs=False, intra="auto", fixup_chunks=1):
+             anchored_fwd="fixup", qk_arrays="auto", state_pairs=False, intra="auto", fixup_chunks=1,
+             transposed_state="auto"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -1114,6 +1138,10 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`state_pairs` must be True or False, got {state_pairs!r}")
     if state_pairs and target != "gpu":
         raise ValueError(f"`state_pairs=True` is a GPU state-loop form; `target` is {target!r}")
+    if not (transposed_state == "auto" or isinstance(transposed_state, bool)):
+        raise ValueError(f"`transposed_state` must be 'auto', True or False, got {transposed_state!r}")
+    if transposed_state is True and target != "gpu":
+        raise ValueError(f"`transposed_state=True` is a GPU state-loop form; `target` is {target!r}")
     if state_bwd not in STATE_BWD:
         raise ValueError(f"`state_bwd` must be one of {STATE_BWD}, got {state_bwd!r}")
     if state_split == "auto":
@@ -1158,6 +1186,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         bv = V if target == "tpu" else (min(V, split_bv(C, low)) if state_split > 1 else default_bv(BHs, V))
     if num_warps_state is None:
         num_warps_state = default_warps_state(bv, low)
+    if transposed_state == "auto":
+        transposed_state = default_transposed_state(target, bv, low)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
              store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
              num_warps=num_warps, num_warps_state=num_warps_state,
@@ -1170,7 +1200,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
                               else int(num_warps_solve)),
              anchored_bwd=anchored_bwd, anchored_fwd=anchored_fwd, fuse_output=fuse_output, state_bwd=state_bwd,
              state_split=state_split, grid_order=grid_order, chunks_per_program=chunks_per_program,
-             state_pairs=state_pairs, train_qk_arrays=train_qk_arrays, fixup_chunks=fixup_chunks)
+             state_pairs=state_pairs, train_qk_arrays=train_qk_arrays, fixup_chunks=fixup_chunks,
+             transposed_state=transposed_state)
 
     def prep(a, D0, D, dtype):
         a = a.astype(dtype)
@@ -1252,12 +1283,16 @@ _DOC = """
       ``state_pairs`` (GPU; default False): the forward state pass takes two chunks a step, their
       ``W`` and ``U`` merged in the loop (half the dependent steps, more matmuls per step; slower on
       one H200: forward 0.99–1.62×, fwd+bwd 1.10–1.26×).
+      ``transposed_state`` (GPU; ``"auto"``, True or False): an undifferentiated call's state pass, which
+      takes the output and stores no per-chunk states, carries the transposed state (every product of a
+      step ``bv`` rows tall); not with row-factor columns; ``"auto"``: :func:`default_transposed_state`.
       ``fixup_chunks`` (GPU, exact per-channel gates with ``anchored_fwd="fixup"``; default 1): chunks
       each program of the forward's second intra-chunk pass loops over, checking each one's flag (fewer
       programs where most chunks have nothing to redo; it divides the chunk count).
       ``intra`` (``"auto"``, ``"tiles"``, ``"whole"`` or ``"halves"``): the intra-chunk kernels' form —
-      16-row tile pairs, or (GPU, scalar or no gates) one ``[C, C]`` / ``[C, D]`` matmul per product, or
-      the forward's from two whole halves of the chunk (C >= 32); ``"auto"``: :func:`default_intra`.
+      16-row tile pairs, or (GPU) one ``[C, C]`` / ``[C, D]`` matmul per product (per-channel gates: 16-bit
+      inputs, the forward kernel alone), or (scalar or no gates) the forward's from two whole halves of the
+      chunk (C >= 32); ``"auto"``: :func:`default_intra`.
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """

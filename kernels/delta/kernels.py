@@ -521,7 +521,7 @@ def _chunk_rows(n, C):
     return pl.ds(n * C if isinstance(n, int) else pl.multiple_of(n * C, C), C)
 
 
-def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs, pairs: bool = False):
+def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs, pairs: bool = False, transposed: bool = False):
     """GPU: one program per ``(b, h, value block)`` carries ``S`` through the chunks (its decay applied a
     step late: :func:`_lagged_decay`). With ``out.o`` each chunk's output block ``O_n = q_in S_n + M Ũ_n``
     is taken here, from the state in registers (the output kernel's work, without writing and
@@ -529,10 +529,28 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs, pairs: bool 
     (a forward that no backward reads). ``q_in`` and ``k_out`` as :func:`row_factors` says; every
     operand of a step feeds its matmuls (``ein`` scales ``q``'s rows for the output), so Triton
     pipelines all of their loads. ``pairs``: two chunks a step (:func:`_pair_step`), half the
-    dependent steps; an odd last chunk takes a step of its own."""
+    dependent steps; an odd last chunk takes a step of its own. ``transposed`` (a forward that takes the
+    output and stores neither ``h`` nor ``Ũ``, without row-factor columns): the loop carries ``Sᵀ [bv, K]``
+    (:func:`_transposed_step`)."""
     ins, outs = out.split(cfg, refs)
     dend_ref, h0_ref = ins[3], ins[4]
     st_ref = outs[2]
+    if transposed:
+        assert out.o and not (out.h or out.ut or pairs) and row_factors(cfg) != "columns", "state_fwd_loop: transposed"
+
+        def d_row(n):  # the decay as a row [1, K] (per-channel) or [1, 1]: it scales Sᵀ's columns
+            return None if not _decays(cfg) else _d_row(cfg, dend_ref, n)
+
+        def tbody(n, carry):
+            St, upd = carry
+            St = _mul(St, None if d_row(0) is None else jnp.where(n == 0, 1.0, d_row(jnp.maximum(n - 1, 0)))) + upd
+            return St, _transposed_step(cfg, ins, outs, n, St)
+
+        St0 = jnp.transpose(h0_ref[...].astype(F32))
+        St, upd = lax.fori_loop(0, n_chunks, tbody, (St0, jnp.zeros_like(St0)))
+        St = _mul(St, d_row(n_chunks - 1)) + upd
+        st_ref[...] = jnp.transpose(St).astype(st_ref.dtype)
+        return
     step = 2 if pairs else 1
     n_steps = n_chunks // step
 
@@ -585,6 +603,21 @@ def _chunk_step(cfg: Cfg, ins, outs, n, S):
         o_ref[rows, :] = _chunk_output(cfg, qin, S, m_ref[rows, :], ut, ein).astype(o_ref.dtype)
     return upd
 
+
+
+def _transposed_step(cfg: Cfg, ins, outs, n, St):
+    """One chunk ``n`` of :func:`state_fwd_loop` with the state transposed, ``Sᵀ [bv, K]``: stores the output
+    ``Oᵀ = Sᵀ q_inᵀ + Ũᵀ Mᵀ`` (transposed back) and returns ``(k_outᵀ Ũ)ᵀ = Ũᵀ k_out``, with
+    ``Ũᵀ = Uᵀ − Sᵀ Wᵀ``. Every product has the ``bv`` rows of ``Sᵀ`` (Triton: ``mma.sync``, the update
+    too, which the untransposed loop lowers to a ``wgmma`` over the ``K`` rows)."""
+    w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref, ein_ref, eout_ref = ins
+    o_ref = outs[3]
+    rows = _chunk_rows(n, cfg.chunk)
+    ut_t = jnp.transpose(u_ref[rows, :].astype(F32)) - mm(cfg, St, w_ref[rows, :], tb=True)   # [bv, C]
+    qin, ein = _q_rows(cfg, qin_ref, ein_ref, rows)                                            # ein: scale or None
+    o_t = _mul(mm(cfg, St, qin, tb=True), ein) + mm(cfg, ut_t, m_ref[rows, :], tb=True)
+    o_ref[rows, :] = jnp.transpose(o_t).astype(o_ref.dtype)
+    return mm(cfg, ut_t, ko_ref[rows, :])                                                      # [bv, K]
 
 def _d_row(cfg: Cfg, dend_ref, n):
     """Chunk ``n``'s decay as a row: ``[1, K]`` for per-channel gates, ``[1, 1]`` otherwise (one number

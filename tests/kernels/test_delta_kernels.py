@@ -252,6 +252,51 @@ def test_forward_alone_matches_the_reference(target, fuse, rule, split):
         kd.chunk_kda(q, k, v, g, beta, target=target, interpret=True, fuse_output=1)
 
 
+@pytest.mark.parametrize("rule,dtype,docs,tuning,transposed", [
+    ("delta", np.float32, False, (), True), ("kda", np.float32, True, (), True),
+    ("kda_bounded", jnp.bfloat16, True, (), True), ("delta", jnp.bfloat16, False, (), True),
+    ("gdn", np.float32, True, (("qk_arrays", True),), True), ("delta", np.float32, True, (), False),
+    pytest.param("gdn", jnp.bfloat16, False, (), False, marks=pytest.mark.slow)])
+def test_transposed_state(rule, dtype, docs, tuning, transposed, monkeypatch):
+    """``transposed_state=True``: an undifferentiated call's GPU state pass carries ``Sᵀ`` (the output taken
+    in the pass, no per-chunk state stored) — output and final state against the reference, f32 to 1e-4,
+    bf16 to 1e-2, with resets and an initial state; the loop must receive ``transposed`` exactly where the
+    pass has no row-factor columns (DeltaNet or GDN with documents, GDN without ``qk_arrays``: untransposed).
+    ``"auto"`` takes it for 16-bit inputs at value blocks of at most 32 columns; other values are refused."""
+    seen = []
+    loop = kn.state_fwd_loop
+
+    def spy(*a, transposed=False, **kw):
+        seen.append(transposed)
+        return loop(*a, transposed=transposed, **kw)
+
+    monkeypatch.setattr(kn, "state_fwd_loop", spy)
+    x = make_inputs(21, dtype=dtype, shape=(1, 40, 2, 16, 16))  # a shape of its own: traced here, not cached
+    q, k, v, beta, S0 = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta", "S0"))
+    seg = jnp.asarray(x["seg"]) if docs else None
+    g = {"gdn": jnp.asarray(x["gs"]), "delta": None}.get(rule, jnp.asarray(x["g"]))
+    kw = dict(initial_state=S0, segment_ids=seg, target="gpu", interpret=True, transposed_state=True, **dict(tuning))
+    if rule == "delta":
+        o1, s1 = kd.chunk_delta_rule(q, k, v, beta, **kw)
+    elif rule == "gdn":
+        o1, s1 = kd.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    else:
+        o1, s1 = kd.chunk_kda(q, k, v, g, beta, **kw, **({"gate_lower_bound": BOUND} if rule == "kda_bounded" else {}))
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    o0, s0 = kref.recurrent(f32(q), f32(k), f32(v), f32(beta), g, initial_state=S0, segment_ids=seg)
+    tol = 1e-4 if dtype == np.float32 else 1e-2
+    assert rel_err(o1, o0) <= tol and rel_err(s1, s0) <= tol
+    assert seen == [transposed]
+    a = [jnp.zeros((1, 64, 2, 16), jnp.bfloat16)] * 3 + [jnp.ones((1, 64, 2), jnp.bfloat16)]
+    assert kd._debug_spec(*a[:3], None, a[3])[0].transposed_state
+    assert not kd._debug_spec(*(y.astype(jnp.float32) for y in a[:3]), None, a[3])[0].transposed_state
+    assert not kd._debug_spec(*a[:3], None, a[3], bv=64)[0].transposed_state
+    with pytest.raises(ValueError, match="transposed_state"):
+        kd.chunk_delta_rule(*a, target="gpu", interpret=True, transposed_state="yes")
+    with pytest.raises(ValueError, match="transposed_state"):
+        kd.chunk_delta_rule(*a, target="tpu", interpret=True, transposed_state=True)
+
+
 @pytest.mark.parametrize("rule,target,dtype,fuse", [("delta", "gpu", "float32", True), ("kda", "gpu", "float32", True),
                                                     ("gdn", "gpu", "bfloat16", True), ("kda_bounded", "tpu", "float32", True),
                                                     ("gdn", "gpu", "float32", False)])
