@@ -275,7 +275,8 @@ def test_transposed_state(rule, dtype, docs, tuning, transposed, monkeypatch):
     q, k, v, beta, S0 = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta", "S0"))
     seg = jnp.asarray(x["seg"]) if docs else None
     g = {"gdn": jnp.asarray(x["gs"]), "delta": None}.get(rule, jnp.asarray(x["g"]))
-    kw = dict(initial_state=S0, segment_ids=seg, target="gpu", interpret=True, transposed_state=True, **dict(tuning))
+    kw = dict(initial_state=S0, segment_ids=seg, target="gpu", interpret=_interpret("gpu"), transposed_state=True,
+              **dict(tuning))
     if rule == "delta":
         o1, s1 = kd.chunk_delta_rule(q, k, v, beta, **kw)
     elif rule == "gdn":
