@@ -870,14 +870,18 @@ def split_bv(C: int, low: bool = True) -> int:
 
 def default_transposed_state(target: str, bv: int, low: bool = True) -> bool:
     """GPU, ``transposed_state="auto"``: whether a forward-only state pass (an undifferentiated call, the output
-    taken in the pass) carries the transposed state ``Sᵀ [bv, K]`` (:func:`kernels.delta.kernels.state_fwd_loop`),
-    so that every product of a step has ``bv`` rows and runs on ``mma.sync`` — True for 16-bit inputs and value
-    blocks of at most 32 columns. Row-factor columns (GDN, documents without per-channel gates) keep the
-    untransposed loop, whatever this says: the columns would scale ``[C, K]`` operands or be moved into rows
-    every step (ptxas: GDN's loop 2008 SASS instructions per thread, 36 B of spills, against 1264 and none).
-    Paired on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab --ab transposed_state=1``; docs/benchmarks.md):
-    forward 0.94× (DeltaNet) and 0.95× (bounded KDA) at (2, 8192); GDN's forward with the transposed loop and its
-    columns 1.70×."""
+    taken in the pass) carries the transposed state ``Sᵀ [bv, K]`` (:func:`kernels.delta.kernels.state_fwd_loop`)
+    — True for 16-bit inputs and value blocks of at most 32 columns. Every product of a step then has ``bv``
+    rows: Triton puts its warps over the columns (``mma.sync``, ``v2[1,4]``) where the untransposed step runs
+    the update as a ``wgmma`` it waits on and its 32-row products with two warps on each row block (ptxas,
+    bf16: 128 registers and 768 SASS instructions per thread for DeltaNet's loop, against 202 and 824). Paired
+    on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab --ab transposed_state=0``, commit 76e7eb1;
+    docs/benchmarks.md), the forward took 0.80× (DeltaNet) and 0.88× (KDA, exact and bounded) at (2, 8192),
+    0.89× and 0.93× at (8, 2048); in GPU time DeltaNet's pass went from 0.317 to 0.212 ms. Row-factor columns
+    (GDN, documents without per-channel gates) keep the untransposed loop: moved into rows every step, or
+    applied to the ``[C, K]`` operands, they took GDN's forward to 1.22× and 1.70× (patched copies, timing
+    only). The training forward, which stores ``h`` and ``Ũ``, keeps it too: transposed back for those
+    stores, bounded KDA's fwd+bwd took 1.16×."""
     return target == "gpu" and low and bv <= 32
 
 
