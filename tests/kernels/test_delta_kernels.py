@@ -161,6 +161,24 @@ def check(rule, x, docs, tol, **kw):
         assert err <= tol, (rule, name, err)
 
 
+def check_forward_alone(rule, x, seg, tol, **knobs):
+    """The undifferentiated GPU-flavour call (compiled on a GPU, interpreted elsewhere) with launch knobs
+    ``knobs``: output and final state against the reference's, to ``tol``."""
+    q, k, v, beta, S0 = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta", "S0"))
+    g = {"kda": x["g"], "kda_bounded": x["g"], "gdn": x["gs"]}.get(rule)
+    g = None if g is None else jnp.asarray(g)
+    kw = dict(initial_state=S0, segment_ids=seg, target="gpu", interpret=_interpret("gpu"), **knobs)
+    if rule == "delta":
+        o1, s1 = kd.chunk_delta_rule(q, k, v, beta, **kw)
+    elif rule == "gdn":
+        o1, s1 = kd.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    else:
+        o1, s1 = kd.chunk_kda(q, k, v, g, beta, **kw, **({"gate_lower_bound": BOUND} if rule == "kda_bounded" else {}))
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    o0, s0 = kref.recurrent(f32(q), f32(k), f32(v), f32(beta), g, initial_state=S0, segment_ids=seg)
+    assert rel_err(o1, o0) <= tol and rel_err(s1, s0) <= tol, (rel_err(o1, o0), rel_err(s1, s0))
+
+
 # Without segment ids the kernels drop their document operand (``Cfg.docs``), the same switch for
 # every gate: the default suite checks that path with KDA's per-channel gate, the other rules with -m slow.
 FP32_CASES = [pytest.param(rule, True, id=f"resets-{rule}") for rule in RULES] + [
@@ -272,21 +290,8 @@ def test_transposed_state(rule, dtype, docs, tuning, transposed, monkeypatch):
 
     monkeypatch.setattr(kn, "state_fwd_loop", spy)
     x = make_inputs(21, dtype=dtype, shape=(1, 40, 2, 16, 16))  # a shape of its own: traced here, not cached
-    q, k, v, beta, S0 = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta", "S0"))
     seg = jnp.asarray(x["seg"]) if docs else None
-    g = {"gdn": jnp.asarray(x["gs"]), "delta": None}.get(rule, jnp.asarray(x["g"]))
-    kw = dict(initial_state=S0, segment_ids=seg, target="gpu", interpret=_interpret("gpu"), transposed_state=True,
-              **dict(tuning))
-    if rule == "delta":
-        o1, s1 = kd.chunk_delta_rule(q, k, v, beta, **kw)
-    elif rule == "gdn":
-        o1, s1 = kd.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-    else:
-        o1, s1 = kd.chunk_kda(q, k, v, g, beta, **kw, **({"gate_lower_bound": BOUND} if rule == "kda_bounded" else {}))
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    o0, s0 = kref.recurrent(f32(q), f32(k), f32(v), f32(beta), g, initial_state=S0, segment_ids=seg)
-    tol = 1e-4 if dtype == np.float32 else 1e-2
-    assert rel_err(o1, o0) <= tol and rel_err(s1, s0) <= tol
+    check_forward_alone(rule, x, seg, 1e-4 if dtype == np.float32 else 1e-2, transposed_state=True, **dict(tuning))
     assert seen == [transposed]
     a = [jnp.zeros((1, 64, 2, 16), jnp.bfloat16)] * 3 + [jnp.ones((1, 64, 2), jnp.bfloat16)]
     assert kd._debug_spec(*a[:3], None, a[3])[0].transposed_state
@@ -625,18 +630,8 @@ def test_state_pairs(rule, T_, dtype):
     x = {n: (a if n in ("S0", "w_s") else a[:, :T_]) for n, a in make_inputs(12, dtype=dtype).items()}
     tol = 1e-4 if dtype == np.float32 else 1e-2
     check(rule, x, True, tol, target="gpu", tuning=(("state_pairs", True),))
-    q, k, v, beta, S0, seg = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta", "S0", "seg"))
-    g = {"kda": jnp.asarray(x["g"]), "kda_bounded": jnp.asarray(x["g"]), "gdn": jnp.asarray(x["gs"])}.get(rule)
-    kw = dict(initial_state=S0, segment_ids=seg, target="gpu", interpret=_interpret("gpu"), state_pairs=True)
-    if rule == "delta":
-        o1, s1 = kd.chunk_delta_rule(q, k, v, beta, **kw)
-    elif rule == "gdn":
-        o1, s1 = kd.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-    else:
-        o1, s1 = kd.chunk_kda(q, k, v, g, beta, **kw, **({"gate_lower_bound": BOUND} if rule == "kda_bounded" else {}))
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    o0, s0 = kref.recurrent(f32(q), f32(k), f32(v), f32(beta), g, initial_state=S0, segment_ids=seg)
-    assert rel_err(o1, o0) <= tol and rel_err(s1, s0) <= tol, (rel_err(o1, o0), rel_err(s1, s0))
+    check_forward_alone(rule, x, jnp.asarray(x["seg"]), tol, state_pairs=True)
+    q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
     with pytest.raises(ValueError, match="state_pairs"):
         kd.chunk_delta_rule(q, k, v, beta, target="gpu", interpret=True, state_pairs="yes")
     with pytest.raises(ValueError, match="state_pairs"):
