@@ -1252,7 +1252,7 @@ def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
     None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
     ``gate_lower_bound``, ``chunk_size`` and the launch knobs (``bv``, ``num_warps``,
     ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``, ``num_warps_solve``,
-    ``anchored_bwd``, ``anchored_fwd``, ``fixup_chunks``, ``intra``)."""
+    ``anchored_bwd``, ``anchored_fwd``, ``fixup_chunks``, ``intra``, ``transposed_state``)."""
     if gate is None and g is not None:
         gate = "channel" if g.ndim == 4 else "scalar"
     tuning.setdefault("chunk_size", None)
