@@ -544,9 +544,10 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs, pairs: bool 
         def d_row(n):  # the decay as a row [1, K] (per-channel) or [1, 1]: it scales Sᵀ's columns
             return None if not _decays(cfg) else _d_row(cfg, dend_ref, n)
 
-        def tbody(n, carry):
+        def tbody(n, carry):  # the decay applied a step late, as below (_lagged_decay)
             St, upd = carry
-            St = _mul(St, None if d_row(0) is None else jnp.where(n == 0, 1.0, d_row(jnp.maximum(n - 1, 0)))) + upd
+            d = jnp.where(n == 0, 1.0, d_row(jnp.maximum(n - 1, 0))) if _decays(cfg) else None
+            St = _mul(St, d) + upd
             return St, _transposed_step(cfg, ins, outs, n, St)
 
         St0 = jnp.transpose(h0_ref[...].astype(F32))
@@ -607,7 +608,6 @@ def _chunk_step(cfg: Cfg, ins, outs, n, S):
     return upd
 
 
-
 def _transposed_step(cfg: Cfg, ins, outs, n, St):
     """One chunk ``n`` of :func:`state_fwd_loop` with the state transposed, ``Sᵀ [bv, K]``: stores the output
     ``Oᵀ = Sᵀ q_inᵀ + Ũᵀ Mᵀ`` (transposed back) and returns ``(k_outᵀ Ũ)ᵀ = Ũᵀ k_out``, with
@@ -621,6 +621,7 @@ def _transposed_step(cfg: Cfg, ins, outs, n, St):
     o_t = _mul(mm(cfg, St, qin, tb=True), ein) + mm(cfg, ut_t, m_ref[rows, :], tb=True)
     o_ref[rows, :] = jnp.transpose(o_t).astype(o_ref.dtype)
     return mm(cfg, ut_t, ko_ref[rows, :])                                                      # [bv, K]
+
 
 def _d_row(cfg: Cfg, dend_ref, n):
     """Chunk ``n``'s decay as a row: ``[1, K]`` for per-channel gates, ``[1, 1]`` otherwise (one number
