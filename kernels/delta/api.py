@@ -458,8 +458,12 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
         semantics, scratch = ("parallel", "parallel", "parallel", "arbitrary"), [pltpu.VMEM((K, bv), F32)]
     keep_in = [True] * 5 + [out.o] * 2
     if cols:  # the row factors ein (for the output) and eout
-        args = args + ([qk.ein] if out.o else []) + [qk.eout]
-        in_specs, keep_in = in_specs + [f1, f1], keep_in + [out.o, True]
+        eout, f_eout = qk.eout, f1
+        if s.target == "gpu" and _transposed(s, out):  # eout as a [1, C] row per chunk: it scales Ũᵀ's columns
+            eout = jnp.transpose(eout.reshape(s.B, N, C, s.H), (0, 1, 3, 2)).reshape(_chk_shape(s, 1, C))
+            f_eout = _chk_spec(s, N, 1, C, lambda b, h, j: (b, 0, h, 0))
+        args = args + ([qk.ein] if out.o else []) + [eout]
+        in_specs, keep_in = in_specs + [f1, f_eout], keep_in + [out.o, True]
     keep_out = [out.h, out.ut, True, out.o]
     res = _call(s, body, grid=grid, in_specs=[x for x, k_ in zip(in_specs, keep_in) if k_],
                 out_specs=[x for x, k_ in zip(out_specs, keep_out) if k_],
@@ -473,9 +477,8 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
 def _transposed(s: Spec, out) -> bool:
     """Whether the GPU forward state pass with outputs ``out`` (:class:`kernels.delta.kernels.StateOut`) carries
     the transposed state: ``Spec.transposed_state``, for a pass that takes the output and stores neither ``h``
-    nor ``Ũ``, two chunks a step not asked for, and no row-factor columns."""
-    return bool(s.transposed_state and out.o and not (out.h or out.ut or s.state_pairs)
-                and kn.row_factors(s.cfg) != "columns")
+    nor ``Ũ``, two chunks a step not asked for (row-factor columns: ``eout`` then reaches the loop as rows)."""
+    return bool(s.transposed_state and out.o and not (out.h or out.ut or s.state_pairs))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -868,21 +871,23 @@ def split_bv(C: int, low: bool = True) -> int:
     return SPLIT_BV if C <= 32 and low else min(SPLIT_BV, 64)
 
 
-def default_transposed_state(target: str, bv: int, low: bool = True) -> bool:
+def default_transposed_state(target: str, bv: int, low: bool = True, columns: bool = False) -> bool:
     """GPU, ``transposed_state="auto"``: whether a forward-only state pass (an undifferentiated call, the output
     taken in the pass) carries the transposed state ``Sᵀ [bv, K]`` (:func:`kernels.delta.kernels.state_fwd_loop`)
-    — True for 16-bit inputs and value blocks of at most 32 columns. Every product of a step then has ``bv``
+    — True for 16-bit inputs and value blocks of at most 32 columns, without row-factor ``columns`` (GDN,
+    documents without per-channel gates; below). Every product of a step then has ``bv``
     rows: Triton puts its warps over the columns (``mma.sync``, ``v2[1,4]``) where the untransposed step runs
     the update as a ``wgmma`` it waits on and its 32-row products with two warps on each row block (ptxas,
     bf16: 128 registers and 768 SASS instructions per thread for DeltaNet's loop, against 202 and 824). Paired
     on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab --ab transposed_state=0``, commit 76e7eb1;
     docs/benchmarks.md), the forward took 0.80× (DeltaNet) and 0.88× (KDA, exact and bounded) at (2, 8192),
-    0.89× and 0.93× at (8, 2048); in GPU time DeltaNet's pass went from 0.317 to 0.212 ms. Row-factor columns
-    (GDN, documents without per-channel gates) keep the untransposed loop: moved into rows every step, or
-    applied to the ``[C, K]`` operands, they took GDN's forward to 1.22× and 1.70× (patched copies, timing
-    only). The training forward, which stores ``h`` and ``Ũ``, keeps it too: transposed back for those
-    stores, bounded KDA's fwd+bwd took 1.16×."""
-    return target == "gpu" and low and bv <= 32
+    0.89× and 0.93× at (8, 2048); in GPU time DeltaNet's pass went from 0.317 to 0.212 ms. With row-factor
+    columns the loop (``transposed_state=True``) reads ``eout`` as a ``[1, C]`` row per chunk, laid out so
+    in XLA before it; not timed, so ``"auto"`` keeps those passes untransposed (moved into rows every step,
+    or applied to the ``[C, K]`` operands, the columns took GDN's forward to 1.22× and 1.70×: patched copies,
+    timing only). The training forward, which stores ``h`` and ``Ũ``, keeps the untransposed loop: transposed
+    back for those stores, bounded KDA's fwd+bwd took 1.16×."""
+    return target == "gpu" and low and bv <= 32 and not columns
 
 
 def default_warps_state(bv: int, low: bool = True) -> int:
@@ -1191,7 +1196,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if num_warps_state is None:
         num_warps_state = default_warps_state(bv, low)
     if transposed_state == "auto":
-        transposed_state = default_transposed_state(target, bv, low)
+        transposed_state = default_transposed_state(target, bv, low, kn.row_factors(cfg) == "columns")
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
              store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
              num_warps=num_warps, num_warps_state=num_warps_state,
@@ -1289,7 +1294,7 @@ _DOC = """
       one H200: forward 0.99–1.62×, fwd+bwd 1.10–1.26×).
       ``transposed_state`` (GPU; ``"auto"``, True or False): an undifferentiated call's state pass, which
       takes the output and stores no per-chunk states, carries the transposed state (every product of a
-      step ``bv`` rows tall); not with row-factor columns; ``"auto"``: :func:`default_transposed_state`.
+      step ``bv`` rows tall); ``"auto"``: :func:`default_transposed_state`.
       ``fixup_chunks`` (GPU, exact per-channel gates with ``anchored_fwd="fixup"``; default 1): chunks
       each program of the forward's second intra-chunk pass loops over, checking each one's flag (fewer
       programs where most chunks have nothing to redo; it divides the chunk count).

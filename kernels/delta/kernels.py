@@ -533,13 +533,12 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs, pairs: bool 
     operand of a step feeds its matmuls (``ein`` scales ``q``'s rows for the output), so Triton
     pipelines all of their loads. ``pairs``: two chunks a step (:func:`_pair_step`), half the
     dependent steps; an odd last chunk takes a step of its own. ``transposed`` (a forward that takes the
-    output and stores neither ``h`` nor ``Ũ``, without row-factor columns): the loop carries ``Sᵀ [bv, K]``
-    (:func:`_transposed_step`)."""
+    output and stores neither ``h`` nor ``Ũ``): the loop carries ``Sᵀ [bv, K]`` (:func:`_transposed_step`)."""
     ins, outs = out.split(cfg, refs)
     dend_ref, h0_ref = ins[3], ins[4]
     st_ref = outs[2]
     if transposed:
-        assert out.o and not (out.h or out.ut or pairs) and row_factors(cfg) != "columns", "state_fwd_loop: transposed"
+        assert out.o and not (out.h or out.ut or pairs), "state_fwd_loop: transposed"
 
         def d_row(n):  # the decay as a row [1, K] (per-channel) or [1, 1]: it scales Sᵀ's columns
             return None if not _decays(cfg) else _d_row(cfg, dend_ref, n)
@@ -612,7 +611,9 @@ def _transposed_step(cfg: Cfg, ins, outs, n, St):
     """One chunk ``n`` of :func:`state_fwd_loop` with the state transposed, ``Sᵀ [bv, K]``: stores the output
     ``Oᵀ = Sᵀ q_inᵀ + Ũᵀ Mᵀ`` (transposed back) and returns ``(k_outᵀ Ũ)ᵀ = Ũᵀ k_out``, with
     ``Ũᵀ = Uᵀ − Sᵀ Wᵀ``. Every product has the ``bv`` rows of ``Sᵀ`` (Triton: ``mma.sync``, the update
-    too, which the untransposed loop lowers to a ``wgmma`` over the ``K`` rows)."""
+    too, which the untransposed loop lowers to a ``wgmma`` over the ``K`` rows). Row-factor columns: ``ein``
+    scales ``q``'s rows as in :func:`_chunk_step`; ``eout`` comes as a ``[1, C]`` row per chunk
+    (``eout_ref [N, 1, C]``) and scales ``Ũᵀ``'s columns for the update."""
     w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref, ein_ref, eout_ref = ins
     o_ref = outs[3]
     rows = _chunk_rows(n, cfg.chunk)
@@ -620,7 +621,8 @@ def _transposed_step(cfg: Cfg, ins, outs, n, St):
     qin, ein = _q_rows(cfg, qin_ref, ein_ref, rows)                                            # ein: scale or None
     o_t = _mul(mm(cfg, St, qin, tb=True), ein) + mm(cfg, ut_t, m_ref[rows, :], tb=True)
     o_ref[rows, :] = jnp.transpose(o_t).astype(o_ref.dtype)
-    return mm(cfg, ut_t, ko_ref[rows, :])                                                      # [bv, K]
+    eout = None if eout_ref is None else eout_ref[n].astype(F32)                               # [1, C]
+    return mm(cfg, _mul(ut_t, eout), ko_ref[rows, :])                                          # [bv, K]
 
 
 def _d_row(cfg: Cfg, dend_ref, n):

@@ -14,7 +14,8 @@ instruction count (``nvdisasm``); ``--layouts`` the warp layouts Triton chose fo
 (``mma=v2[4,1]``: ``mma.sync`` with 4 warps over the rows — over a 16- or 32-row product, warps repeat
 each other's rows). ``--forward_only`` lowers the undifferentiated call (its forward
 kernels without residuals: the state pass takes the output and stores nothing else) instead of
-fwd+bwd; ``--qk_arrays``, ``--state_pairs``, ``--intra``, ``--chunks_per_program``, ``--fixup_chunks`` and
+fwd+bwd; ``--qk_arrays``, ``--state_pairs``, ``--transposed_state``, ``--intra``, ``--chunks_per_program``,
+``--fixup_chunks`` and
 ``--num_warps_fwd`` pass those launch knobs.
 ``--gate``: ``kda`` (exact per-channel), ``kda_bounded`` (``gate_lower_bound=-5``), ``gdn`` (scalar
 gate), ``none`` (DeltaNet) or ``all``; ``--dtype`` and ``--chunk_size`` take
@@ -35,7 +36,7 @@ GATES = ("none", "gdn", "kda", "kda_bounded")
 
 def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None, bv=None,
               anchored_fwd=None, qk_arrays=None, state_pairs=None, forward_only=False, intra=None,
-              chunks_per_program=None, fixup_chunks=None):
+              chunks_per_program=None, fixup_chunks=None, transposed_state=None):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering as L
@@ -66,6 +67,7 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
                       chunk_size=chunk_size, **({} if inverse is None else {"inverse": inverse}),
                       **({} if bv is None else {"bv": bv}),
                       **({} if state_pairs is None else {"state_pairs": state_pairs}),
+                      **({} if transposed_state is None else {"transposed_state": transposed_state}),
                       **({} if qk_arrays is None or gate.startswith("kda") else {"qk_arrays": qk_arrays}),
                       **({} if intra is None else {"intra": intra}),
                       **({} if chunks_per_program is None else {"chunks_per_program": chunks_per_program}))
@@ -206,6 +208,8 @@ def main(argv=None):
                     help="none, gdn: the qk_arrays launch knob (default: the API's)")
     ap.add_argument("--state_pairs", type=int, choices=(0, 1), default=None,
                     help="the state_pairs launch knob (default: the API's)")
+    ap.add_argument("--transposed_state", type=int, choices=(0, 1), default=None,
+                    help="the transposed_state launch knob (default: the API's)")
     ap.add_argument("--intra", choices=INTRAS, default=None,
                     help="the intra-chunk kernels' form (default: the API's; kda: tiles or whole)")
     ap.add_argument("--chunks_per_program", type=int, default=None,
@@ -241,7 +245,8 @@ def main(argv=None):
                                    args.inverse, args.bv, args.anchored_fwd,
                                    None if args.qk_arrays is None else bool(args.qk_arrays),
                                    None if args.state_pairs is None else bool(args.state_pairs), args.forward_only,
-                                   args.intra, args.chunks_per_program, args.fixup_chunks)
+                                   args.intra, args.chunks_per_program, args.fixup_chunks,
+                                   None if args.transposed_state is None else bool(args.transposed_state))
                     print(f"{label}{n} kernels lowered", flush=True)
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,

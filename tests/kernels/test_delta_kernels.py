@@ -273,14 +273,17 @@ def test_forward_alone_matches_the_reference(target, fuse, rule, split):
 @pytest.mark.parametrize("rule,dtype,docs,tuning,transposed", [
     ("delta", np.float32, False, (), True), ("kda", np.float32, True, (), True),
     ("kda_bounded", jnp.bfloat16, True, (), True), ("delta", jnp.bfloat16, False, (), True),
-    ("gdn", np.float32, True, (("qk_arrays", True),), True), ("delta", np.float32, True, (), False),
-    pytest.param("gdn", jnp.bfloat16, False, (), False, marks=pytest.mark.slow)])
+    ("gdn", np.float32, True, (("qk_arrays", True),), True), ("gdn", np.float32, True, (), True),
+    ("delta", np.float32, True, (("state_pairs", True),), False),
+    pytest.param("delta", np.float32, True, (), True, marks=pytest.mark.slow),
+    pytest.param("gdn", jnp.bfloat16, False, (), True, marks=pytest.mark.slow)])
 def test_transposed_state(rule, dtype, docs, tuning, transposed, monkeypatch):
     """``transposed_state=True``: an undifferentiated call's GPU state pass carries ``Sᵀ`` (the output taken
     in the pass, no per-chunk state stored) — output and final state against the reference, f32 to 1e-4,
-    bf16 to 1e-2, with resets and an initial state; the loop must receive ``transposed`` exactly where the
-    pass has no row-factor columns (DeltaNet or GDN with documents, GDN without ``qk_arrays``: untransposed).
-    ``"auto"`` takes it for 16-bit inputs at value blocks of at most 32 columns; other values are refused."""
+    bf16 to 1e-2, with resets and an initial state; the loop must receive ``transposed`` (not with
+    ``state_pairs``). Row-factor columns (GDN without ``qk_arrays``, DeltaNet with documents) reach it with
+    ``eout`` as rows. ``"auto"`` takes it for 16-bit inputs at value blocks of at most 32 columns and
+    without row-factor columns; other values are refused."""
     seen = []
     loop = kn.state_fwd_loop
 
@@ -298,6 +301,9 @@ def test_transposed_state(rule, dtype, docs, tuning, transposed, monkeypatch):
     assert kd._debug_spec(*a[:3], None, a[3])[0].transposed_state
     assert not kd._debug_spec(*(y.astype(jnp.float32) for y in a[:3]), None, a[3])[0].transposed_state
     assert not kd._debug_spec(*a[:3], None, a[3], bv=64)[0].transposed_state
+    gs = -jnp.ones((1, 64, 2))  # GDN: row-factor columns in an undifferentiated call, unless qk_arrays
+    assert not kd._debug_spec(*a[:3], gs, a[3])[0].transposed_state
+    assert kd._debug_spec(*a[:3], gs, a[3], qk_arrays=True)[0].transposed_state
     with pytest.raises(ValueError, match="transposed_state"):
         kd.chunk_delta_rule(*a, target="gpu", interpret=True, transposed_state="yes")
     with pytest.raises(ValueError, match="transposed_state"):
