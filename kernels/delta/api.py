@@ -945,7 +945,8 @@ def default_inverse(target: str, gate: str, low: bool) -> str:
     return "blocks" if (target == "gpu" and low and gate in ("none", "scalar")) else "loop"
 
 
-def default_intra(target: str, gate: str, low: bool, C: int = 32, gate_bound=None) -> str:
+def default_intra(target: str, gate: str, low: bool, C: int = 32, gate_bound=None,
+                  anchored_fwd: str = "fixup") -> str:
     """The intra-chunk kernels' form (``intra="auto"``): ``"whole"`` (:func:`kernels.delta.kernels.intra_fwd_whole`
     and the backward's ``*_whole`` kernels: one ``[C, C]`` or ``[C, D]`` matmul per product) on GPUs for 16-bit
     inputs, ``"tiles"`` (16-row tile pairs) otherwise. Paired on one H200 (bf16, H 16, D 128, ``kernel_bench
@@ -955,9 +956,9 @@ def default_intra(target: str, gate: str, low: bool, C: int = 32, gate_bound=Non
     against the tiles' 3.7–6.0 KB). Per-channel gates (KDA) take the whole form in the forward only (the chunk
     anchored at its middle row, :func:`kernels.delta.kernels._whole_channel`; the backward's scores kernel
     keeps the tiles' anchored or looped diagonal tiles), for chunks of at most 32 tokens and gates whose bound
-    ``gate_bound`` (None: exact gates, whose chunks that span too far are redone exactly, ``anchored_fwd``)
-    keeps the anchor's span within ``WHOLE_SPAN``; paired (``--ab intra=whole --rules kdab,kda``, commit
-    006d14f), forward 0.75–0.83×, fwd+bwd 0.90–0.92× at the same shapes, exact and
+    ``gate_bound`` (None: exact gates, whose chunks that span too far are redone exactly — ``anchored_fwd``
+    "fixup"; with "fused" exact gates take the tiles) keeps the anchor's span within ``WHOLE_SPAN``; paired
+    (``--ab intra=whole --rules kdab,kda``, commit 006d14f), forward 0.75–0.83×, fwd+bwd 0.90–0.92× at the same shapes, exact and
     bounded gates. Chunks above 32 tokens take ``"halves"`` without per-channel gates
     (:func:`kernels.delta.kernels.intra_fwd_halves`: the forward solves two halves whole and merges them; the
     backward's kernels as "whole"): at C = 64, paired against "whole" (``kernel_bench --parts ab
@@ -966,7 +967,7 @@ def default_intra(target: str, gate: str, low: bool, C: int = 32, gate_bound=Non
     if not (target == "gpu" and low):
         return "tiles"
     if gate == "channel":
-        fits = gate_bound is None or (C // 2) * -gate_bound <= kn.WHOLE_SPAN
+        fits = (anchored_fwd == "fixup") if gate_bound is None else (C // 2) * -gate_bound <= kn.WHOLE_SPAN
         return "whole" if C <= 32 and fits else "tiles"
     return "whole" if C <= 32 else "halves"
 
@@ -1110,6 +1111,9 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         if not low:
             raise ValueError("`intra='whole'` with per-channel gates (KDA) takes 16-bit q, k, v; f32 inputs need "
                              "'tiles'")
+        if gate_bound is None and anchored_fwd != "fixup":
+            raise ValueError(f"`intra='whole'` with exact per-channel gates needs `anchored_fwd='fixup'` (the chunks "
+                             f"whose gates span too far for its anchor are redone exactly), got {anchored_fwd!r}")
         if gate_bound is not None and (C // 2) * -gate_bound > kn.WHOLE_SPAN:
             raise ValueError(f"`intra='whole'` with per-channel gates anchors a chunk at its middle row: it takes "
                              f"`gate_lower_bound` >= {-kn.WHOLE_SPAN / (C // 2)} at chunk_size {C}, got {gate_bound}")
@@ -1125,7 +1129,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if inverse == "auto":
         inverse = default_inverse(target, gate or "none", low)
     if intra == "auto":
-        intra = default_intra(target, gate or "none", low, chunk_size, gate_bound)
+        intra = default_intra(target, gate or "none", low, chunk_size, gate_bound, anchored_fwd)
     if not (qk_arrays == "auto" or isinstance(qk_arrays, bool)):
         raise ValueError(f"`qk_arrays` must be 'auto', True or False, got {qk_arrays!r}")
     train_qk_arrays = default_qk_arrays(target, gate or "none", intra) if qk_arrays == "auto" else qk_arrays

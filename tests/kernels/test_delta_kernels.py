@@ -552,7 +552,7 @@ def test_bounded_anchored_backward_on_gpu_flavour(gates):
 @pytest.mark.parametrize("gates,dtype,mode,group", [
     ("mixed", np.float32, "fixup", 1), ("mixed", np.float32, "fused", 1), ("mixed", np.float32, "fixup", 3),
     pytest.param("unbounded", np.float32, "fixup", 1, marks=pytest.mark.slow),
-    ("steep", jnp.bfloat16, "fixup", 1),
+    ("steep", jnp.bfloat16, "fixup", 1), ("mixed", jnp.bfloat16, "fused", 1),
     pytest.param("mixed", jnp.bfloat16, "fixup", 1, marks=pytest.mark.slow)])
 def test_exact_kda_forward_in_two_passes(gates, dtype, mode, group):
     """``anchored_fwd="fixup"`` (the default): the bounded-gate intra-chunk kernel on every chunk (16-bit
@@ -701,6 +701,9 @@ def test_whole_chunk_kernels_are_picked_and_refused_by_name():
     assert kd.default_intra("gpu", "channel", True) == kd.default_intra("gpu", "channel", True, 32, -5.0) == "whole"
     assert kd.default_intra("gpu", "channel", True, 32, -6.0) == "tiles"
     assert kd.default_intra("gpu", "channel", True, 16, -8.0) == "whole"
+    # exact gates anchor the whole chunk only where a second pass redoes the chunks that span too far
+    assert kd.default_intra("gpu", "channel", True, 32, None, "fused") == "tiles"
+    assert kd.default_intra("gpu", "channel", True, 32, -5.0, "fused") == "whole"
     assert kd.default_intra("tpu", "none", True) == "tiles"
     assert kd.default_intra("gpu", "none", True, 64) == kd.default_intra("gpu", "scalar", True, 64) == "halves"
     assert kd.default_intra("gpu", "channel", True, 64) == kd.default_intra("gpu", "none", False, 64) == "tiles"
@@ -718,6 +721,9 @@ def test_whole_chunk_kernels_are_picked_and_refused_by_name():
     with pytest.raises(ValueError, match="intra.*16-bit"):
         kd.chunk_kda(*(x.astype(jnp.float32) for x in (q, k, v)), gk, beta, target="gpu", interpret=True,
                      intra="whole")
+    assert kd._debug_spec(q, k, v, gk, beta, gate="channel", anchored_fwd="fused")[0].cfg.intra == "tiles"
+    with pytest.raises(ValueError, match="intra.*anchored_fwd"):
+        kd.chunk_kda(q, k, v, gk, beta, target="gpu", interpret=True, intra="whole", anchored_fwd="fused")
     with pytest.raises(ValueError, match="intra.*gate_lower_bound"):  # chunks of 32 anchored at row 16: -5 at most
         kd.chunk_kda(q, k, v, gk, beta, gate_lower_bound=-6.0, target="gpu", interpret=True, intra="whole")
     with pytest.raises(ValueError, match="intra"):
