@@ -693,8 +693,9 @@ def test_halves_forward_kernel(rule, gates, docs, C, dtype):
 def test_whole_chunk_kernels_are_picked_and_refused_by_name():
     """``intra="auto"`` picks the whole-chunk kernels on GPUs for 16-bit inputs only (``"halves"`` for DeltaNet /
     GDN chunks above 32 tokens; per-channel gates up to 32 tokens, where their bound keeps the anchor's span
-    within ``WHOLE_SPAN``); a bad value, f32 or too-low bounds with per-channel gates, per-channel halves, the
-    TPU flavour and halves of fewer than 16 rows are refused naming ``intra``."""
+    within ``WHOLE_SPAN``, exact ones only with ``anchored_fwd="fixup"``); a bad value, f32, too-low bounds
+    or exact gates with ``anchored_fwd="fused"`` for per-channel whole chunks, per-channel halves, the TPU
+    flavour and halves of fewer than 16 rows are refused naming ``intra``."""
     assert kd.default_intra("gpu", "scalar", True) == kd.default_intra("gpu", "none", True) == "whole"
     assert kd.default_intra("gpu", "scalar", False) == kd.default_intra("gpu", "channel", False) == "tiles"
     # per-channel gates: the forward kernel anchored at the chunk's middle row, while the bound keeps its span
