@@ -871,23 +871,21 @@ def split_bv(C: int, low: bool = True) -> int:
     return SPLIT_BV if C <= 32 and low else min(SPLIT_BV, 64)
 
 
-def default_transposed_state(target: str, bv: int, low: bool = True, columns: bool = False) -> bool:
-    """GPU, ``transposed_state="auto"``: whether a forward-only state pass (an undifferentiated call, the output
+def default_transposed_state(target: str) -> bool:
+    """``transposed_state="auto"``: whether a forward-only state pass (an undifferentiated call, the output
     taken in the pass) carries the transposed state ``Sᵀ [bv, K]`` (:func:`kernels.delta.kernels.state_fwd_loop`)
-    — True for 16-bit inputs and value blocks of at most 32 columns, without row-factor ``columns`` (GDN,
-    documents without per-channel gates; below). Every product of a step then has ``bv``
-    rows: Triton puts its warps over the columns (``mma.sync``, ``v2[1,4]``) where the untransposed step runs
-    the update as a ``wgmma`` it waits on and its 32-row products with two warps on each row block (ptxas,
-    bf16: 128 registers and 768 SASS instructions per thread for DeltaNet's loop, against 202 and 824). Paired
-    on one H200 (bf16, H 16, D 128, ``kernel_bench --parts ab --ab transposed_state=0``, commit 76e7eb1;
-    docs/benchmarks.md), the forward took 0.80× (DeltaNet) and 0.88× (KDA, exact and bounded) at (2, 8192),
-    0.89× and 0.93× at (8, 2048); in GPU time DeltaNet's pass went from 0.317 to 0.212 ms. With row-factor
-    columns the loop (``transposed_state=True``) reads ``eout`` as a ``[1, C]`` row per chunk, laid out so
-    in XLA before it; not timed, so ``"auto"`` keeps those passes untransposed (moved into rows every step,
-    or applied to the ``[C, K]`` operands, the columns took GDN's forward to 1.22× and 1.70×: patched copies,
-    timing only). The training forward, which stores ``h`` and ``Ũ``, keeps the untransposed loop: transposed
-    back for those stores, bounded KDA's fwd+bwd took 1.16×."""
-    return target == "gpu" and low and bv <= 32 and not columns
+    — True on GPUs. Every product of a step then has ``bv`` rows: Triton puts its warps over the columns
+    (``mma.sync``, ``v2[1,4]``) where the untransposed step runs the update as a ``wgmma`` it waits on and its
+    32-row products with two warps on each row block (ptxas, bf16: 128 registers and 768 SASS instructions
+    per thread for DeltaNet's loop, against 202 and 824; GDN's, with ``eout`` read as a ``[1, C]`` row per
+    chunk, 166 and 1048 against 226 and 1264). Paired on one H200 (H 16, D 128, ``kernel_bench --parts ab``,
+    ``docs/benchmarks.md``), transposed / untransposed forward: bf16 at (2, 8192) 0.80 (DeltaNet), 0.88 (KDA,
+    exact and bounded), 0.89 (GDN); at (8, 2048) 0.89, 0.93, 0.97; at (1, 32768), split passes with 128-wide
+    blocks, 0.93, 0.96, 0.92; f32 at (2, 8192) 0.66, 0.62, 0.66. The training forward, which stores ``h``
+    and ``Ũ``, keeps the untransposed loop: transposed back for those stores, bounded KDA's fwd+bwd took
+    1.16×; with GDN's columns moved into rows every step, or applied to the ``[C, K]`` operands, its forward
+    took 1.22× and 1.70× (patched copies, timing only)."""
+    return target == "gpu"
 
 
 def default_warps_state(bv: int, low: bool = True) -> int:
@@ -1200,7 +1198,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if num_warps_state is None:
         num_warps_state = default_warps_state(bv, low)
     if transposed_state == "auto":
-        transposed_state = default_transposed_state(target, bv, low, kn.row_factors(cfg) == "columns")
+        transposed_state = default_transposed_state(target)
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
              store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
              num_warps=num_warps, num_warps_state=num_warps_state,

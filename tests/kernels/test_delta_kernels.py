@@ -282,8 +282,7 @@ def test_transposed_state(rule, dtype, docs, tuning, transposed, monkeypatch):
     in the pass, no per-chunk state stored) — output and final state against the reference, f32 to 1e-4,
     bf16 to 1e-2, with resets and an initial state; the loop must receive ``transposed`` (not with
     ``state_pairs``). Row-factor columns (GDN without ``qk_arrays``, DeltaNet with documents) reach it with
-    ``eout`` as rows. ``"auto"`` takes it for 16-bit inputs at value blocks of at most 32 columns and
-    without row-factor columns; other values are refused."""
+    ``eout`` as rows. ``"auto"`` takes it on every GPU launch; other values are refused."""
     seen = []
     loop = kn.state_fwd_loop
 
@@ -298,12 +297,13 @@ def test_transposed_state(rule, dtype, docs, tuning, transposed, monkeypatch):
     check_forward_alone(rule, x, seg, 1e-4 if dtype == np.float32 else 1e-2, transposed_state=True, **dict(tuning))
     assert seen == [transposed]
     a = [jnp.zeros((1, 64, 2, 16), jnp.bfloat16)] * 3 + [jnp.ones((1, 64, 2), jnp.bfloat16)]
-    assert kd._debug_spec(*a[:3], None, a[3])[0].transposed_state
-    assert not kd._debug_spec(*(y.astype(jnp.float32) for y in a[:3]), None, a[3])[0].transposed_state
-    assert not kd._debug_spec(*a[:3], None, a[3], bv=64)[0].transposed_state
     gs = -jnp.ones((1, 64, 2))  # GDN: row-factor columns in an undifferentiated call, unless qk_arrays
-    assert not kd._debug_spec(*a[:3], gs, a[3])[0].transposed_state
-    assert kd._debug_spec(*a[:3], gs, a[3], qk_arrays=True)[0].transposed_state
+    for args, knobs in [(a, {}), ([y.astype(jnp.float32) for y in a], {}), (a, {"bv": 64}),
+                        (a, {"qk_arrays": True}), (a, {"transposed_state": False})]:
+        for g in (None, gs):  # "auto": every GPU launch; the pass itself decides by its outputs (above)
+            spec = kd._debug_spec(*args[:3], g, args[3], **knobs)[0]
+            assert spec.transposed_state == knobs.get("transposed_state", True)
+    assert kd.default_transposed_state("gpu") and not kd.default_transposed_state("tpu")
     with pytest.raises(ValueError, match="transposed_state"):
         kd.chunk_delta_rule(*a, target="gpu", interpret=True, transposed_state="yes")
     with pytest.raises(ValueError, match="transposed_state"):
