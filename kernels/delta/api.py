@@ -881,10 +881,11 @@ def default_transposed_state(target: str) -> bool:
     chunk, 166 and 1048 against 226 and 1264). Paired on one H200 (H 16, D 128, ``kernel_bench --parts ab``,
     ``docs/benchmarks.md``), transposed / untransposed forward: bf16 at (2, 8192) 0.80 (DeltaNet), 0.88 (KDA,
     exact and bounded), 0.89 (GDN); at (8, 2048) 0.89, 0.93, 0.97; at (1, 32768), split passes with 128-wide
-    blocks, 0.93, 0.96, 0.92; f32 at (2, 8192) 0.66, 0.62, 0.66. The training forward, which stores ``h``
-    and ``Ũ``, keeps the untransposed loop: transposed back for those stores, bounded KDA's fwd+bwd took
-    1.16×; with GDN's columns moved into rows every step, or applied to the ``[C, K]`` operands, its forward
-    took 1.22× and 1.70× (patched copies, timing only)."""
+    blocks, 0.93, 0.96, 0.92; f32 at (2, 8192) 0.66, 0.62, 0.66 and at (1, 32768) (64-wide split blocks)
+    0.83, 0.81, 0.83. The training forward, which stores ``h`` and ``Ũ``, keeps the untransposed loop:
+    transposed back for those stores, bounded KDA's fwd+bwd took 1.16×; with GDN's columns moved into rows
+    every step, or applied to the ``[C, K]`` operands, its forward took 1.22× and 1.70× (patched copies,
+    timing only)."""
     return target == "gpu"
 
 
