@@ -774,7 +774,8 @@ def plot(results, path):
 
 def parse_tuning(ap, flag, text) -> dict:
     """``knob=value,...`` of the Pallas launch knobs, validated (``ap.error`` naming ``flag``)."""
-    from kernels.delta.api import ANCHORED_BWD, ANCHORED_FWD, GRID_ORDERS, INTRAS, INVERSES, STATE_BWD
+    from kernels.delta.api import (ANCHORED_BWD, ANCHORED_FWD, GRID_ORDERS, INTRAS, INVERSES, STATE_BWD,
+                                   TRANSPOSED_PASSES)
     out = {}
     for item in filter(None, text.split(",")):
         key, sep, val = item.partition("=")
@@ -787,6 +788,12 @@ def parse_tuning(ap, flag, text) -> dict:
             if val not in choices[key]:
                 ap.error(f"{flag}: {key} must be one of {choices[key]}, got {val!r}")
             out[key] = val
+        elif key == "transposed_state" and val not in ("0", "1"):  # passes, e.g. fwd+bwd (or "none")
+            passes = () if val == "none" else tuple(val.split("+"))
+            if not set(passes) <= set(TRANSPOSED_PASSES):
+                ap.error(f"{flag}: transposed_state must be 0, 1, none or passes from {TRANSPOSED_PASSES} "
+                         f"joined by '+', got {val!r}")
+            out[key] = passes
         elif key in ("fuse_output", "qk_arrays", "state_pairs", "transposed_state"):
             if val not in ("0", "1"):
                 ap.error(f"{flag}: {key} must be 0 or 1, got {val!r}")

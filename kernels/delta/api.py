@@ -121,6 +121,9 @@ STATE_BWD = ("auto", "triton", "mosaic")
 # kernels read their blocks through index maps, so any order gives the same results.
 GRID_ORDERS = ("bhn", "bnh", "hbn", "hnb", "nbh", "nhb")
 MOSAIC_BWD_PROGRAMS = 128
+# GPU state passes that may carry the transposed state (``transposed_state``): the forward that stores no
+# per-chunk state (an undifferentiated call's), the training forward (storing h and Ũ), the backward.
+TRANSPOSED_PASSES = ("fwd", "train", "bwd")
 # GPU state passes on few long sequences (default_state_split): where unsplit they would launch fewer
 # than STATE_PROGRAMS programs of 32 value columns, split each sequence into segments until there are
 # SPLIT_SEQUENCES segments × heads, keeping SPLIT_MIN_CHUNKS chunks a segment, and run them SPLIT_BV
@@ -167,7 +170,7 @@ class Spec:
     grid_order: str = "bhn"  # launch order of the intra-chunk and output kernels' grid (GRID_ORDERS)
     chunks_per_program: int = 1  # GPU: chunks each program of the backward's intra-chunk kernels loops over (_grouped)
     state_pairs: bool = False  # GPU: the forward state pass takes two chunks a step (kernels._pair_step)
-    transposed_state: bool = False  # GPU: a forward-only state pass carries Sᵀ (default_transposed_state)
+    transposed_state: tuple = ()  # GPU: the state passes that carry Sᵀ (TRANSPOSED_PASSES; default_transposed_state)
     train_qk_arrays: bool = False  # cfg.qk_arrays of a differentiated call (_train_spec; cfg: undifferentiated)
     fixup_chunks: int = 1  # GPU, anchored_fwd="fixup": chunks each program of the second forward pass checks
 
@@ -459,9 +462,8 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
     keep_in = [True] * 5 + [out.o] * 2
     if cols:  # the row factors ein (for the output) and eout
         eout, f_eout = qk.eout, f1
-        if s.target == "gpu" and _transposed(s, out):  # eout as a [1, C] row per chunk: it scales Ũᵀ's columns
-            eout = jnp.transpose(eout.reshape(s.B, N, C, s.H), (0, 1, 3, 2)).reshape(_chk_shape(s, 1, C))
-            f_eout = _chk_spec(s, N, 1, C, lambda b, h, j: (b, 0, h, 0))
+        if s.target == "gpu" and _transposed(s, out):
+            eout, f_eout = _eout_rows(s, eout)
         args = args + ([qk.ein] if out.o else []) + [eout]
         in_specs, keep_in = in_specs + [f1, f_eout], keep_in + [out.o, True]
     keep_out = [out.h, out.ut, True, out.o]
@@ -474,11 +476,26 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
     return tuple(full) if out.o else tuple(full[:3])
 
 
-def _transposed(s: Spec, out) -> bool:
-    """Whether the GPU forward state pass with outputs ``out`` (:class:`kernels.delta.kernels.StateOut`) carries
-    the transposed state: ``Spec.transposed_state``, for a pass that takes the output and stores neither ``h``
-    nor ``Ũ``, two chunks a step not asked for (row-factor columns: ``eout`` then reaches the loop as rows)."""
-    return bool(s.transposed_state and out.o and not (out.h or out.ut or s.state_pairs))
+def _transposed(s: Spec, out=None) -> bool:
+    """Whether a GPU state pass carries the transposed state (``Spec.transposed_state``): the forward pass
+    with outputs ``out`` (:class:`kernels.delta.kernels.StateOut`; "fwd" where it stores neither ``h`` nor
+    ``Ũ``, else "train"; not with ``state_pairs``), or the backward pass (``out=None``: "bwd"). Row-factor
+    columns then reach the loop with ``eout`` as rows (:func:`_eout_rows`). A pass over one chunk stays
+    untransposed: interpreted on a CPU, XLA drops the one-step loop and folds its transposes into bf16
+    dots that its CPU runtime does not run (jax 0.10.2)."""
+    if s.N == 1:
+        return False
+    if out is None:
+        return "bwd" in s.transposed_state
+    return ("train" if out.h or out.ut else "fwd") in s.transposed_state and not s.state_pairs
+
+
+def _eout_rows(s: Spec, eout):
+    """``eout [B, T, H, 1]`` laid out as a ``[1, C]`` row per chunk (one XLA transpose) and its GPU block
+    spec: a transposed state pass scales the columns of ``Ũᵀ`` / ``dŨᵀ`` with it."""
+    N, C = s.N, s.cfg.chunk
+    rows = jnp.transpose(eout.reshape(s.B, N, C, s.H), (0, 1, 3, 2)).reshape(_chk_shape(s, 1, C))
+    return rows, _chk_spec(s, N, 1, C, lambda b, h, j: (b, 0, h, 0))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -518,7 +535,10 @@ def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT, *, stores=True):
         st = _state_spec(s, bv, lambda b, h, j: (b, h, j))
         fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
         f1 = [_tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))] * (2 if cols else 0)
-        res = _call(s, functools.partial(kn.state_bwd_loop, s.cfg, N, stores=stores), grid=(s.B, s.H, nv),
+        if cols and _transposed(s):
+            args[-1], f1[1] = _eout_rows(s, args[-1])
+        res = _call(s, functools.partial(kn.state_bwd_loop, s.cfg, N, stores=stores, transposed=_transposed(s)),
+                    grid=(s.B, s.H, nv),
                     in_specs=[fc, fv, fk, fk, fk, fd, st] + f1, out_specs=[fh, fv, st][keep],
                     out_shape=out_shape[keep], semantics=None, state=True)(*args)
         return tuple(res) if stores else (None, None, res[0])
@@ -871,22 +891,26 @@ def split_bv(C: int, low: bool = True) -> int:
     return SPLIT_BV if C <= 32 and low else min(SPLIT_BV, 64)
 
 
-def default_transposed_state(target: str) -> bool:
-    """``transposed_state="auto"``: whether a forward-only state pass (an undifferentiated call, the output
-    taken in the pass) carries the transposed state ``Sᵀ [bv, K]`` (:func:`kernels.delta.kernels.state_fwd_loop`)
-    — True on GPUs. Every product of a step then has ``bv`` rows: Triton puts its warps over the columns
-    (``mma.sync``, ``v2[1,4]``) where the untransposed step runs the update as a ``wgmma`` it waits on and its
-    32-row products with two warps on each row block (ptxas, bf16: 128 registers and 768 SASS instructions
-    per thread for DeltaNet's loop, against 202 and 824; GDN's, with ``eout`` read as a ``[1, C]`` row per
-    chunk, 166 and 1048 against 226 and 1264). Paired on one H200 (H 16, D 128, ``kernel_bench --parts ab``,
-    ``docs/benchmarks.md``), transposed / untransposed forward: bf16 at (2, 8192) 0.80 (DeltaNet), 0.88 (KDA,
-    exact and bounded), 0.89 (GDN); at (8, 2048) 0.89, 0.93, 0.97; at (1, 32768), split passes with 128-wide
-    blocks, 0.93, 0.96, 0.92; f32 at (2, 8192) 0.66, 0.62, 0.66 and at (1, 32768) (64-wide split blocks)
-    0.83, 0.81, 0.83. The training forward, which stores ``h`` and ``Ũ``, keeps the untransposed loop:
-    transposed back for those stores, bounded KDA's fwd+bwd took 1.16×; with GDN's columns moved into rows
-    every step, or applied to the ``[C, K]`` operands, its forward took 1.22× and 1.70× (patched copies,
-    timing only)."""
-    return target == "gpu"
+def default_transposed_state(target: str, gate=None, low: bool = True) -> tuple:
+    """``transposed_state="auto"``: the GPU state passes that carry the transposed state ``Sᵀ [bv, K]``
+    (``TRANSPOSED_PASSES``; :func:`kernels.delta.kernels.state_fwd_loop`, ``state_bwd_loop``) — "fwd" (a
+    forward pass that stores no per-chunk state: an undifferentiated call) always; for 16-bit inputs
+    (``low``) "bwd" (the Triton backward pass) too, and "train" (the training forward, which stores ``h``
+    and ``Ũ``, transposed back) unless the gate is scalar (GDN). Every product of a step then has ``bv``
+    rows: Triton puts its warps over the columns (``mma.sync``, ``v2[1,4]``) where the untransposed step
+    runs the update as a ``wgmma`` it waits on and its 32-row products with two warps on each row block
+    (ptxas, bf16: 128 registers and 768 SASS instructions per thread for DeltaNet's undifferentiated loop,
+    against 202 and 824; GDN's, with ``eout`` read as a ``[1, C]`` row per chunk, 166 and 1048 against 226
+    and 1264). Paired on one H200 (H 16, D 128, ``kernel_bench --parts ab``, ``docs/benchmarks.md``),
+    transposed / untransposed forward: bf16 at (2, 8192) 0.80 (DeltaNet), 0.88 (KDA, exact and bounded),
+    0.89 (GDN); at (8, 2048) 0.89, 0.93, 0.97; at (1, 32768), split passes with 128-wide blocks, 0.93, 0.96,
+    0.92; f32 at (2, 8192) 0.66, 0.62, 0.66 and at (1, 32768) (64-wide split blocks) 0.83, 0.81, 0.83.
+    Training passes (bf16, (2, 8192), GPU time per pass): the backward 0.367 → 0.266 ms (DeltaNet), 0.357 →
+    0.280 (KDA bounded), 0.356 → 0.314 (GDN); the training forward 0.359 → 0.312 and 0.357 → 0.311, but
+    GDN's 0.338 → 0.380."""
+    if target != "gpu":
+        return ()
+    return ("fwd",) + (("train",) if low and gate != "scalar" else ()) + (("bwd",) if low else ())
 
 
 def default_warps_state(bv: int, low: bool = True) -> int:
@@ -1150,10 +1174,13 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`state_pairs` must be True or False, got {state_pairs!r}")
     if state_pairs and target != "gpu":
         raise ValueError(f"`state_pairs=True` is a GPU state-loop form; `target` is {target!r}")
-    if not (transposed_state == "auto" or isinstance(transposed_state, bool)):
-        raise ValueError(f"`transposed_state` must be 'auto', True or False, got {transposed_state!r}")
-    if transposed_state is True and target != "gpu":
-        raise ValueError(f"`transposed_state=True` is a GPU state-loop form; `target` is {target!r}")
+    if isinstance(transposed_state, (list, tuple)) and not set(transposed_state) <= set(TRANSPOSED_PASSES):
+        raise ValueError(f"`transposed_state` passes must be among {TRANSPOSED_PASSES}, got {transposed_state!r}")
+    if not (transposed_state == "auto" or isinstance(transposed_state, (bool, list, tuple))):
+        raise ValueError(f"`transposed_state` must be 'auto', True, False or a tuple of passes from "
+                         f"{TRANSPOSED_PASSES}, got {transposed_state!r}")
+    if transposed_state not in ("auto", False, (), []) and target != "gpu":
+        raise ValueError(f"`transposed_state={transposed_state!r}` is a GPU state-loop form; `target` is {target!r}")
     if state_bwd not in STATE_BWD:
         raise ValueError(f"`state_bwd` must be one of {STATE_BWD}, got {state_bwd!r}")
     if state_split == "auto":
@@ -1199,7 +1226,9 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if num_warps_state is None:
         num_warps_state = default_warps_state(bv, low)
     if transposed_state == "auto":
-        transposed_state = default_transposed_state(target)
+        transposed_state = default_transposed_state(target, gate, low)
+    else:
+        transposed_state = TRANSPOSED_PASSES if transposed_state is True else tuple(transposed_state or ())
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,
              store_dtype=io_dtype, state_dtype=(io_dtype if state_dtype is None else state_dtype),
              num_warps=num_warps, num_warps_state=num_warps_state,

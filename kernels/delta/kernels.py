@@ -519,6 +519,14 @@ def _lagged_decay(cfg: Cfg, dend_ref, n_chunks: int, step, first):
     return jnp.where(first, 1.0, _d_end(cfg, dend_ref, jnp.clip(step, 0, n_chunks - 1)))
 
 
+def _lagged_row(cfg: Cfg, dend_ref, n_chunks: int, step, first):
+    """:func:`_lagged_decay` as a row, ``[1, K]`` or ``[1, 1]`` (:func:`_d_row`): it scales the columns
+    of a transposed state ``Sᵀ [bv, K]``."""
+    if not _decays(cfg):
+        return None
+    return jnp.where(first, 1.0, _d_row(cfg, dend_ref, jnp.clip(step, 0, n_chunks - 1)))
+
+
 def _chunk_rows(n, C):
     """The token rows of chunk ``n`` (a traced index, or a Python int before the loop)."""
     return pl.ds(n * C if isinstance(n, int) else pl.multiple_of(n * C, C), C)
@@ -532,26 +540,25 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs, pairs: bool 
     (a forward that no backward reads). ``q_in`` and ``k_out`` as :func:`row_factors` says; every
     operand of a step feeds its matmuls (``ein`` scales ``q``'s rows for the output), so Triton
     pipelines all of their loads. ``pairs``: two chunks a step (:func:`_pair_step`), half the
-    dependent steps; an odd last chunk takes a step of its own. ``transposed`` (a forward that takes the
-    output and stores neither ``h`` nor ``Ũ``): the loop carries ``Sᵀ [bv, K]`` (:func:`_transposed_step`)."""
+    dependent steps; an odd last chunk takes a step of its own. ``transposed`` (not with ``pairs``): the
+    loop carries ``Sᵀ [bv, K]`` (:func:`_transposed_step`; ``h`` transposed back for its store)."""
     ins, outs = out.split(cfg, refs)
     dend_ref, h0_ref = ins[3], ins[4]
     st_ref = outs[2]
     if transposed:
-        assert out.o and not (out.h or out.ut or pairs), "state_fwd_loop: transposed"
+        assert not pairs, "state_fwd_loop: transposed with pairs"
+        h_ref = outs[0]
 
-        def d_row(n):  # the decay as a row [1, K] (per-channel) or [1, 1]: it scales Sᵀ's columns
-            return None if not _decays(cfg) else _d_row(cfg, dend_ref, n)
-
-        def tbody(n, carry):  # the decay applied a step late, as below (_lagged_decay)
+        def tbody(n, carry):  # the decay applied a step late, as below
             St, upd = carry
-            d = jnp.where(n == 0, 1.0, d_row(jnp.maximum(n - 1, 0))) if _decays(cfg) else None
-            St = _mul(St, d) + upd
+            St = _mul(St, _lagged_row(cfg, dend_ref, n_chunks, n - 1, n == 0)) + upd
+            if h_ref is not None:
+                h_ref[n] = jnp.transpose(St).astype(h_ref.dtype)
             return St, _transposed_step(cfg, ins, outs, n, St)
 
         St0 = jnp.transpose(h0_ref[...].astype(F32))
         St, upd = lax.fori_loop(0, n_chunks, tbody, (St0, jnp.zeros_like(St0)))
-        St = _mul(St, d_row(n_chunks - 1)) + upd
+        St = _mul(St, _lagged_row(cfg, dend_ref, n_chunks, n_chunks - 1, False)) + upd
         st_ref[...] = jnp.transpose(St).astype(st_ref.dtype)
         return
     step = 2 if pairs else 1
@@ -608,19 +615,22 @@ def _chunk_step(cfg: Cfg, ins, outs, n, S):
 
 
 def _transposed_step(cfg: Cfg, ins, outs, n, St):
-    """One chunk ``n`` of :func:`state_fwd_loop` with the state transposed, ``Sᵀ [bv, K]``: stores the output
-    ``Oᵀ = Sᵀ q_inᵀ + Ũᵀ Mᵀ`` (transposed back) and returns ``(k_outᵀ Ũ)ᵀ = Ũᵀ k_out``, with
-    ``Ũᵀ = Uᵀ − Sᵀ Wᵀ``. Every product has the ``bv`` rows of ``Sᵀ`` (Triton: ``mma.sync``, the update
-    too, which the untransposed loop lowers to a ``wgmma`` over the ``K`` rows). Row-factor columns: ``ein``
-    scales ``q``'s rows as in :func:`_chunk_step`; ``eout`` comes as a ``[1, C]`` row per chunk
-    (``eout_ref [N, 1, C]``) and scales ``Ũᵀ``'s columns for the update."""
+    """One chunk ``n`` of :func:`state_fwd_loop` with the state transposed, ``Sᵀ [bv, K]``: stores ``Ũ`` and
+    the output ``Oᵀ = Sᵀ q_inᵀ + Ũᵀ Mᵀ`` as ``outs`` asks (transposed back) and returns
+    ``(k_outᵀ Ũ)ᵀ = Ũᵀ k_out``, with ``Ũᵀ = Uᵀ − Sᵀ Wᵀ``. Every product has the ``bv`` rows of ``Sᵀ``
+    (Triton: ``mma.sync``, the update too, which the untransposed loop lowers to a ``wgmma`` over the ``K``
+    rows). Row-factor columns: ``ein`` scales ``q``'s rows as in :func:`_chunk_step`; ``eout`` comes as a
+    ``[1, C]`` row per chunk (``eout_ref [N, 1, C]``) and scales ``Ũᵀ``'s columns for the update."""
     w_ref, u_ref, ko_ref, dend_ref, h0_ref, qin_ref, m_ref, ein_ref, eout_ref = ins
-    o_ref = outs[3]
+    ut_ref, o_ref = outs[1], outs[3]
     rows = _chunk_rows(n, cfg.chunk)
     ut_t = jnp.transpose(u_ref[rows, :].astype(F32)) - mm(cfg, St, w_ref[rows, :], tb=True)   # [bv, C]
-    qin, ein = _q_rows(cfg, qin_ref, ein_ref, rows)                                            # ein: scale or None
-    o_t = _mul(mm(cfg, St, qin, tb=True), ein) + mm(cfg, ut_t, m_ref[rows, :], tb=True)
-    o_ref[rows, :] = jnp.transpose(o_t).astype(o_ref.dtype)
+    if ut_ref is not None:
+        ut_ref[rows, :] = jnp.transpose(ut_t).astype(ut_ref.dtype)
+    if o_ref is not None:
+        qin, ein = _q_rows(cfg, qin_ref, ein_ref, rows)                                        # ein: scale or None
+        o_t = _mul(mm(cfg, St, qin, tb=True), ein) + mm(cfg, ut_t, m_ref[rows, :], tb=True)
+        o_ref[rows, :] = jnp.transpose(o_t).astype(o_ref.dtype)
     eout = None if eout_ref is None else eout_ref[n].astype(F32)                               # [1, C]
     return mm(cfg, _mul(ut_t, eout), ko_ref[rows, :])                                          # [bv, K]
 
@@ -778,14 +788,30 @@ def _bwd_refs(cfg: Cfg, refs, n_out: int):
     return ins, refs[n_in:n_in + n_out] if n_out else refs[n_in:]
 
 
-def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs, stores: bool = True):
+def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs, stores: bool = True, transposed: bool = False):
     """GPU: one program per ``(b, h, value block)`` carries ``dS`` back through the chunks; ``q_in``
     and ``k_out`` as :func:`row_factors` says. ``stores=False``: ``dh0`` is the only output (no
-    per-chunk ``dh``, no ``dŨ``: the first pass of a split sequence, ``api._state_backward``)."""
+    per-chunk ``dh``, no ``dŨ``: the first pass of a split sequence, ``api._state_backward``).
+    ``transposed``: the loop carries ``dSᵀ [bv, K]`` (:func:`_transposed_bwd_step`; ``dh`` transposed
+    back for its store; row-factor columns: ``eout`` as a ``[1, C]`` row per chunk, ``eout_ref [N, 1, C]``)."""
     ins, outs = _bwd_refs(cfg, refs, 3 if stores else 1)
     dh_ref, dut_ref, dh0_ref = outs if stores else (None, None, outs[0])
     m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref, ein_ref, eout_ref = ins
     C = cfg.chunk
+    if transposed:
+        def tbody(i, carry):  # the decay applied a step late, as below
+            dSt, upd = carry
+            n = n_chunks - 1 - i
+            dSt = _mul(dSt, _lagged_row(cfg, dend_ref, n_chunks, n + 1, i == 0)) + upd
+            if dh_ref is not None:
+                dh_ref[n] = jnp.transpose(dSt).astype(dh_ref.dtype)
+            return dSt, _transposed_bwd_step(cfg, ins, dut_ref, n, dSt)
+
+        dSt0 = jnp.transpose(dst_ref[...].astype(F32))
+        dSt, upd = lax.fori_loop(0, n_chunks, tbody, (dSt0, jnp.zeros_like(dSt0)))
+        dSt = _mul(dSt, _lagged_row(cfg, dend_ref, n_chunks, 0, False)) + upd
+        dh0_ref[...] = jnp.transpose(dSt).astype(dh0_ref.dtype)
+        return
 
     def body(i, carry):
         dS, upd = carry
@@ -803,6 +829,26 @@ def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs, stores: bool = True):
     dS0 = dst_ref[...].astype(F32)
     dS, upd = lax.fori_loop(0, n_chunks, body, (dS0, jnp.zeros_like(dS0)))
     dh0_ref[...] = (_mul(dS, _d_end(cfg, dend_ref, 0)) + upd).astype(dh0_ref.dtype)
+
+
+def _transposed_bwd_step(cfg: Cfg, ins, dut_ref, n, dSt):
+    """One chunk ``n`` of :func:`state_bwd_loop` with the cotangent transposed, ``dSᵀ [bv, K]``: stores
+    ``dŨ`` (transposed back from ``dŨᵀ = dOᵀ M + (dSᵀ k_outᵀ) ⊙ eoutᵀ``) and returns
+    ``(q_inᵀ dO − Wᵀ dŨ)ᵀ = dOᵀ q_in − dŨᵀ W`` (``ein`` on ``dO``'s rows). Every product has ``bv``
+    rows."""
+    m_ref, do_ref, ko_ref, qi_ref, w_ref, dend_ref, dst_ref, ein_ref, eout_ref = ins
+    rows = _chunk_rows(n, cfg.chunk)
+    do = do_ref[rows, :]
+    eout = None if eout_ref is None else eout_ref[n].astype(F32)                      # [1, C]
+    dut_t = mm(cfg, do, m_ref[rows, :], ta=True) + _mul(mm(cfg, dSt, ko_ref[rows, :], tb=True), eout)
+    if dut_ref is not None:
+        dut_ref[rows, :] = jnp.transpose(dut_t).astype(dut_ref.dtype)
+    ein = _ein(cfg, ein_ref, rows)
+    if isinstance(ein, float):  # a constant: scale the [bv, K] product (no rounding of dO)
+        qdo = mm(cfg, do, qi_ref[rows, :], ta=True) * ein
+    else:
+        qdo = mm(cfg, _mul(do, ein), qi_ref[rows, :], ta=True)
+    return qdo - mm(cfg, dut_t, w_ref[rows, :])
 
 
 def state_bwd_grid(cfg: Cfg, *refs, stores: bool = True):

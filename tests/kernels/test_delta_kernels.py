@@ -282,7 +282,7 @@ def test_transposed_state(rule, dtype, docs, tuning, transposed, monkeypatch):
     in the pass, no per-chunk state stored) — output and final state against the reference, f32 to 1e-4,
     bf16 to 1e-2, with resets and an initial state; the loop must receive ``transposed`` (not with
     ``state_pairs``). Row-factor columns (GDN without ``qk_arrays``, DeltaNet with documents) reach it with
-    ``eout`` as rows. ``"auto"`` takes it on every GPU launch; other values are refused."""
+    ``eout`` as rows. ``"auto"`` and the refusals: :func:`test_transposed_state_passes_by_default`."""
     seen = []
     loop = kn.state_fwd_loop
 
@@ -296,18 +296,77 @@ def test_transposed_state(rule, dtype, docs, tuning, transposed, monkeypatch):
     seg = jnp.asarray(x["seg"]) if docs else None
     check_forward_alone(rule, x, seg, 1e-4 if dtype == np.float32 else 1e-2, transposed_state=True, **dict(tuning))
     assert seen == [transposed]
+
+
+@pytest.mark.parametrize("rule,dtype,docs,split", [
+    ("delta", np.float32, True, 1), ("gdn", np.float32, False, 1), ("kda", jnp.bfloat16, True, 1),
+    ("gdn", jnp.bfloat16, True, 1), ("delta", jnp.bfloat16, False, 1),
+    pytest.param("kda_bounded", np.float32, False, 3, marks=pytest.mark.slow)])
+def test_transposed_training_passes(rule, dtype, docs, split, monkeypatch):
+    """``transposed_state=True`` in a differentiated call: the training forward (``h`` and ``Ũ`` stored
+    transposed back) and the Triton backward pass (``dSᵀ``; ``dh``, ``dŨ`` transposed back) — output,
+    final state and every gradient against the reference, f32 to 1e-4, bf16 to 1e-2, with resets and an
+    initial state; row-factor columns (f32 GDN, DeltaNet with documents) read ``eout`` as rows in both
+    passes; ``split``: the passes on 3 segments (``state_split``). Both loops must receive ``transposed``."""
+    seen = {"fwd": [], "bwd": []}
+    for name, key in (("state_fwd_loop", "fwd"), ("state_bwd_loop", "bwd")):
+        def spy(*a, transposed=False, _loop=getattr(kn, name), _key=key, **kw):
+            seen[_key].append(transposed)
+            return _loop(*a, transposed=transposed, **kw)
+        monkeypatch.setattr(kn, name, spy)
+    kd._state_fwd.clear_cache()
+    value_and_grads.cache_clear()
+    x = make_inputs(22, dtype=dtype, shape=(1, 96, 2, 16, 16))
+    tuning = (("transposed_state", True), ("state_bwd", "triton")) + ((("state_split", split),) if split > 1 else ())
+    check(rule, x, docs, 1e-4 if dtype == np.float32 else 1e-2, target="gpu", tuning=tuning)
+    value_and_grads.cache_clear()
+    assert seen["fwd"] and all(seen["fwd"]) and seen["bwd"] and all(seen["bwd"]), seen
+
+
+@pytest.mark.parametrize("rule", ["gdn", "kda"])
+def test_one_chunk_state_passes_stay_untransposed(rule, monkeypatch):
+    """A state pass over one chunk runs untransposed even with ``transposed_state=True`` (interpreted on a
+    CPU, XLA folds the one-step loop's transposes into bf16 dots its CPU runtime cannot run): a bf16
+    sequence of 20 tokens, its forward alone and its gradients, against the reference."""
+    seen = []
+    loop = kn.state_fwd_loop
+
+    def spy(*a, transposed=False, **kw):
+        seen.append(transposed)
+        return loop(*a, transposed=transposed, **kw)
+
+    monkeypatch.setattr(kn, "state_fwd_loop", spy)
+    kd._state_fwd.clear_cache()
+    value_and_grads.cache_clear()
+    x = make_inputs(23, dtype=jnp.bfloat16, shape=(1, 20, 2, 16, 16))
+    check_forward_alone(rule, x, jnp.asarray(x["seg"]), 1e-2, transposed_state=True)
+    check(rule, x, True, 1e-2, target="gpu", tuning=(("transposed_state", True), ("state_bwd", "triton")))
+    value_and_grads.cache_clear()
+    assert seen and not any(seen), seen
+
+
+def test_transposed_state_passes_by_default():
+    """``transposed_state="auto"`` (:func:`kernels.delta.api.default_transposed_state`): on GPUs the forward
+    that stores nothing ("fwd") always; for 16-bit inputs the backward ("bwd") and, except with scalar
+    gates (GDN), the training forward ("train"); nothing on TPUs. True: every pass; False: none; a tuple
+    names the passes. Other values, unknown passes and any transposed pass on a TPU are refused by name."""
     a = [jnp.zeros((1, 64, 2, 16), jnp.bfloat16)] * 3 + [jnp.ones((1, 64, 2), jnp.bfloat16)]
-    gs = -jnp.ones((1, 64, 2))  # GDN: row-factor columns in an undifferentiated call, unless qk_arrays
-    for args, knobs in [(a, {}), ([y.astype(jnp.float32) for y in a], {}), (a, {"bv": 64}),
-                        (a, {"qk_arrays": True}), (a, {"transposed_state": False})]:
-        for g in (None, gs):  # "auto": every GPU launch; the pass itself decides by its outputs (above)
-            spec = kd._debug_spec(*args[:3], g, args[3], **knobs)[0]
-            assert spec.transposed_state == knobs.get("transposed_state", True)
-    assert kd.default_transposed_state("gpu") and not kd.default_transposed_state("tpu")
-    with pytest.raises(ValueError, match="transposed_state"):
-        kd.chunk_delta_rule(*a, target="gpu", interpret=True, transposed_state="yes")
-    with pytest.raises(ValueError, match="transposed_state"):
-        kd.chunk_delta_rule(*a, target="tpu", interpret=True, transposed_state=True)
+    a32 = [y.astype(jnp.float32) for y in a]
+    gs, gc = -jnp.ones((1, 64, 2)), -jnp.ones((1, 64, 2, 16))
+    spec = lambda args, g, **knobs: kd._debug_spec(*args[:3], g, args[3], **knobs)[0].transposed_state  # noqa: E731
+    assert spec(a, None) == spec(a, gc) == spec(a, None, bv=64) == ("fwd", "train", "bwd")
+    assert spec(a, gs) == spec(a, gs, qk_arrays=True) == ("fwd", "bwd")
+    assert spec(a32, None) == spec(a32, gs) == spec(a32, gc) == ("fwd",)
+    assert spec(a32, gs, transposed_state=True) == kd.TRANSPOSED_PASSES
+    assert spec(a, None, transposed_state=False) == ()
+    assert spec(a, gs, transposed_state=("bwd",)) == ("bwd",)
+    assert kd.default_transposed_state("tpu") == kd.default_transposed_state("tpu", "channel", True) == ()
+    for bad in ("yes", ("fwd", "sideways")):
+        with pytest.raises(ValueError, match="transposed_state"):
+            kd.chunk_delta_rule(*a, target="gpu", interpret=True, transposed_state=bad)
+    for bad in (True, ("bwd",)):
+        with pytest.raises(ValueError, match="transposed_state"):
+            kd.chunk_delta_rule(*a, target="tpu", interpret=True, transposed_state=bad)
 
 
 @pytest.mark.parametrize("rule,target,dtype,fuse", [("delta", "gpu", "float32", True), ("kda", "gpu", "float32", True),
