@@ -891,26 +891,26 @@ def split_bv(C: int, low: bool = True) -> int:
     return SPLIT_BV if C <= 32 and low else min(SPLIT_BV, 64)
 
 
-def default_transposed_state(target: str, gate=None, low: bool = True) -> tuple:
+def default_transposed_state(target: str, gate=None) -> tuple:
     """``transposed_state="auto"``: the GPU state passes that carry the transposed state ``Sᵀ [bv, K]``
-    (``TRANSPOSED_PASSES``; :func:`kernels.delta.kernels.state_fwd_loop`, ``state_bwd_loop``) — "fwd" (a
-    forward pass that stores no per-chunk state: an undifferentiated call) always; for 16-bit inputs
-    (``low``) "bwd" (the Triton backward pass) too, and "train" (the training forward, which stores ``h``
-    and ``Ũ``, transposed back) unless the gate is scalar (GDN). Every product of a step then has ``bv``
-    rows: Triton puts its warps over the columns (``mma.sync``, ``v2[1,4]``) where the untransposed step
-    runs the update as a ``wgmma`` it waits on and its 32-row products with two warps on each row block
-    (ptxas, bf16: 128 registers and 768 SASS instructions per thread for DeltaNet's undifferentiated loop,
-    against 202 and 824; GDN's, with ``eout`` read as a ``[1, C]`` row per chunk, 166 and 1048 against 226
-    and 1264). Paired on one H200 (H 16, D 128, ``kernel_bench --parts ab``, ``docs/benchmarks.md``),
-    transposed / untransposed forward: bf16 at (2, 8192) 0.80 (DeltaNet), 0.88 (KDA, exact and bounded),
-    0.89 (GDN); at (8, 2048) 0.89, 0.93, 0.97; at (1, 32768), split passes with 128-wide blocks, 0.93, 0.96,
-    0.92; f32 at (2, 8192) 0.66, 0.62, 0.66 and at (1, 32768) (64-wide split blocks) 0.83, 0.81, 0.83.
-    Training passes (bf16, (2, 8192), GPU time per pass): the backward 0.367 → 0.266 ms (DeltaNet), 0.357 →
-    0.280 (KDA bounded), 0.356 → 0.314 (GDN); the training forward 0.359 → 0.312 and 0.357 → 0.311, but
-    GDN's 0.338 → 0.380."""
+    (``TRANSPOSED_PASSES``; :func:`kernels.delta.kernels.state_fwd_loop`, ``state_bwd_loop``): the forward
+    that stores no per-chunk state ("fwd": an undifferentiated call's) and the Triton backward ("bwd")
+    always, the training forward ("train": ``h`` and ``Ũ`` stored transposed back) unless the gate is
+    scalar (GDN). Every product of a step then has ``bv`` rows: Triton puts its warps over the columns
+    (``mma.sync``, ``v2[1,4]``) where the untransposed step runs the update as a ``wgmma`` it waits on and
+    its 32-row products with two warps on each row block (ptxas, bf16: 128 registers and 768 SASS
+    instructions per thread for DeltaNet's undifferentiated loop, against 202 and 824). Paired on one H200
+    (H 16, D 128, ``kernel_bench --parts ab``, ``docs/benchmarks.md``), transposed / untransposed forward:
+    bf16 at (2, 8192) 0.80 (DeltaNet), 0.88 (KDA, exact and bounded), 0.89 (GDN, ``eout`` read as a
+    ``[1, C]`` row per chunk); at (8, 2048) 0.89, 0.93, 0.97; at (1, 32768), split passes with 128-wide
+    blocks, 0.93, 0.96, 0.92; f32 at (2, 8192) 0.66, 0.62, 0.66 and at (1, 32768) (64-wide split blocks)
+    0.83, 0.81, 0.83. fwd+bwd, these defaults / "fwd" alone: bf16 at (2, 8192) 0.90 (DeltaNet), 0.97 (KDA
+    bounded), 0.98 (GDN); at (1, 32768) 0.97, 1.01, 0.97; f32 at (2, 8192), every pass transposed, 0.79
+    (DeltaNet) and 0.82 (KDA). GDN's training forward transposed (on the ``q_in``, ``k_out`` arrays of
+    ``qk_arrays``) took its fwd+bwd to 1.02×, and on the row-factor columns to 1.04–1.06×."""
     if target != "gpu":
         return ()
-    return ("fwd",) + (("train",) if low and gate != "scalar" else ()) + (("bwd",) if low else ())
+    return ("fwd", "bwd") if gate == "scalar" else ("fwd", "train", "bwd")
 
 
 def default_warps_state(bv: int, low: bool = True) -> int:
@@ -1226,7 +1226,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if num_warps_state is None:
         num_warps_state = default_warps_state(bv, low)
     if transposed_state == "auto":
-        transposed_state = default_transposed_state(target, gate, low)
+        transposed_state = default_transposed_state(target, gate)
     else:
         transposed_state = TRANSPOSED_PASSES if transposed_state is True else tuple(transposed_state or ())
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,

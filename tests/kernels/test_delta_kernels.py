@@ -307,7 +307,8 @@ def test_transposed_training_passes(rule, dtype, docs, split, monkeypatch):
     transposed back) and the Triton backward pass (``dSᵀ``; ``dh``, ``dŨ`` transposed back) — output,
     final state and every gradient against the reference, f32 to 1e-4, bf16 to 1e-2, with resets and an
     initial state; row-factor columns (f32 GDN, DeltaNet with documents) read ``eout`` as rows in both
-    passes; ``split``: the passes on 3 segments (``state_split``). Both loops must receive ``transposed``."""
+    passes; ``split``: the passes on 3 segments of two chunks (``state_split``). Both loops must receive
+    ``transposed``."""
     seen = {"fwd": [], "bwd": []}
     for name, key in (("state_fwd_loop", "fwd"), ("state_bwd_loop", "bwd")):
         def spy(*a, transposed=False, _loop=getattr(kn, name), _key=key, **kw):
@@ -316,7 +317,7 @@ def test_transposed_training_passes(rule, dtype, docs, split, monkeypatch):
         monkeypatch.setattr(kn, name, spy)
     kd._state_fwd.clear_cache()
     value_and_grads.cache_clear()
-    x = make_inputs(22, dtype=dtype, shape=(1, 96, 2, 16, 16))
+    x = make_inputs(22, dtype=dtype, shape=(1, 96 * (2 if split > 1 else 1), 2, 16, 16))  # segments of 2 chunks
     tuning = (("transposed_state", True), ("state_bwd", "triton")) + ((("state_split", split),) if split > 1 else ())
     check(rule, x, docs, 1e-4 if dtype == np.float32 else 1e-2, target="gpu", tuning=tuning)
     value_and_grads.cache_clear()
@@ -347,8 +348,8 @@ def test_one_chunk_state_passes_stay_untransposed(rule, monkeypatch):
 
 def test_transposed_state_passes_by_default():
     """``transposed_state="auto"`` (:func:`kernels.delta.api.default_transposed_state`): on GPUs the forward
-    that stores nothing ("fwd") always; for 16-bit inputs the backward ("bwd") and, except with scalar
-    gates (GDN), the training forward ("train"); nothing on TPUs. True: every pass; False: none; a tuple
+    that stores nothing ("fwd") and the backward ("bwd") always, the training forward ("train") except with
+    scalar gates (GDN); nothing on TPUs. True: every pass; False: none; a tuple
     names the passes. Other values, unknown passes and any transposed pass on a TPU are refused by name."""
     a = [jnp.zeros((1, 64, 2, 16), jnp.bfloat16)] * 3 + [jnp.ones((1, 64, 2), jnp.bfloat16)]
     a32 = [y.astype(jnp.float32) for y in a]
@@ -356,11 +357,11 @@ def test_transposed_state_passes_by_default():
     spec = lambda args, g, **knobs: kd._debug_spec(*args[:3], g, args[3], **knobs)[0].transposed_state  # noqa: E731
     assert spec(a, None) == spec(a, gc) == spec(a, None, bv=64) == ("fwd", "train", "bwd")
     assert spec(a, gs) == spec(a, gs, qk_arrays=True) == ("fwd", "bwd")
-    assert spec(a32, None) == spec(a32, gs) == spec(a32, gc) == ("fwd",)
+    assert spec(a32, None) == spec(a32, gc) == ("fwd", "train", "bwd") and spec(a32, gs) == ("fwd", "bwd")
     assert spec(a32, gs, transposed_state=True) == kd.TRANSPOSED_PASSES
     assert spec(a, None, transposed_state=False) == ()
     assert spec(a, gs, transposed_state=("bwd",)) == ("bwd",)
-    assert kd.default_transposed_state("tpu") == kd.default_transposed_state("tpu", "channel", True) == ()
+    assert kd.default_transposed_state("tpu") == kd.default_transposed_state("tpu", "channel") == ()
     for bad in ("yes", ("fwd", "sideways")):
         with pytest.raises(ValueError, match="transposed_state"):
             kd.chunk_delta_rule(*a, target="gpu", interpret=True, transposed_state=bad)
