@@ -906,8 +906,11 @@ def default_transposed_state(target: str, gate=None) -> tuple:
     blocks, 0.93, 0.96, 0.92; f32 at (2, 8192) 0.66, 0.62, 0.66 and at (1, 32768) (64-wide split blocks)
     0.83, 0.81, 0.83. fwd+bwd, these defaults / "fwd" alone: bf16 at (2, 8192) 0.90 (DeltaNet), 0.97 (KDA
     bounded), 0.98 (GDN); at (1, 32768) 0.97, 1.01, 0.97; f32 at (2, 8192), every pass transposed, 0.79
-    (DeltaNet) and 0.82 (KDA). GDN's training forward transposed (on the ``q_in``, ``k_out`` arrays of
-    ``qk_arrays``) took its fwd+bwd to 1.02×, and on the row-factor columns to 1.04–1.06×."""
+    (DeltaNet) and 0.82 (KDA), GDN's two 0.95. In GPU time at (2, 8192) (bf16) the training forward's pass
+    went from 0.359 to 0.309 ms (DeltaNet) and 0.357 to 0.317 (KDA bounded), the backward's from 0.367 to
+    0.273, 0.357 to 0.317 and 0.356 to 0.321 (GDN). GDN's training forward transposed (on the ``q_in``,
+    ``k_out`` arrays of ``qk_arrays``) took its fwd+bwd to 1.02×, and on the row-factor columns to
+    1.04–1.06×."""
     if target != "gpu":
         return ()
     return ("fwd", "bwd") if gate == "scalar" else ("fwd", "train", "bwd")
@@ -1324,9 +1327,11 @@ _DOC = """
       ``state_pairs`` (GPU; default False): the forward state pass takes two chunks a step, their
       ``W`` and ``U`` merged in the loop (half the dependent steps, more matmuls per step; slower on
       one H200: forward 0.99–1.62×, fwd+bwd 1.10–1.26×).
-      ``transposed_state`` (GPU; ``"auto"``, True or False): an undifferentiated call's state pass, which
-      takes the output and stores no per-chunk states, carries the transposed state (every product of a
-      step ``bv`` rows tall); ``"auto"``: :func:`default_transposed_state`.
+      ``transposed_state`` (GPU; ``"auto"``, True, False or a tuple of passes from ``TRANSPOSED_PASSES``):
+      the Triton state passes that carry the transposed state, every product of a step ``bv`` rows tall —
+      "fwd" (a forward that stores no per-chunk state: an undifferentiated call's), "train" (the training
+      forward, ``h`` and ``Ũ`` transposed back for their stores), "bwd" (the backward pass); True: all
+      three; ``"auto"``: :func:`default_transposed_state`.
       ``fixup_chunks`` (GPU, exact per-channel gates with ``anchored_fwd="fixup"``; default 1): chunks
       each program of the forward's second intra-chunk pass loops over, checking each one's flag (fewer
       programs where most chunks have nothing to redo; it divides the chunk count).
