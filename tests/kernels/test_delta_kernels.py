@@ -270,6 +270,20 @@ def test_forward_alone_matches_the_reference(target, fuse, rule, split):
         kd.chunk_kda(q, k, v, g, beta, target=target, interpret=True, fuse_output=1)
 
 
+def spy_transposed(monkeypatch, *names):
+    """Record the ``transposed`` flag each state loop in ``names`` (``kernels.delta.kernels``) is traced
+    with, ``{name: [flags]}``; clears the compilation caches that would skip the tracing."""
+    seen = {name: [] for name in names}
+    for name in names:
+        def spy(*a, transposed=False, _loop=getattr(kn, name), _seen=seen[name], **kw):
+            _seen.append(transposed)
+            return _loop(*a, transposed=transposed, **kw)
+        monkeypatch.setattr(kn, name, spy)
+    kd._state_fwd.clear_cache()  # the state pass is traced here, not taken from another test's compilation
+    value_and_grads.cache_clear()
+    return seen
+
+
 @pytest.mark.parametrize("rule,dtype,docs,tuning,transposed", [
     ("delta", np.float32, False, (), True), ("kda", np.float32, True, (), True),
     ("kda_bounded", jnp.bfloat16, True, (), True), ("delta", jnp.bfloat16, False, (), True),
@@ -283,15 +297,7 @@ def test_transposed_state(rule, dtype, docs, tuning, transposed, monkeypatch):
     bf16 to 1e-2, with resets and an initial state; the loop must receive ``transposed`` (not with
     ``state_pairs``). Row-factor columns (GDN without ``qk_arrays``, DeltaNet with documents) reach it with
     ``eout`` as rows. ``"auto"`` and the refusals: :func:`test_transposed_state_passes_by_default`."""
-    seen = []
-    loop = kn.state_fwd_loop
-
-    def spy(*a, transposed=False, **kw):
-        seen.append(transposed)
-        return loop(*a, transposed=transposed, **kw)
-
-    monkeypatch.setattr(kn, "state_fwd_loop", spy)
-    kd._state_fwd.clear_cache()  # the state pass is traced here, not taken from another test's compilation
+    seen = spy_transposed(monkeypatch, "state_fwd_loop")["state_fwd_loop"]
     x = make_inputs(21, dtype=dtype, shape=(1, 40, 2, 16, 16))
     seg = jnp.asarray(x["seg"]) if docs else None
     check_forward_alone(rule, x, seg, 1e-4 if dtype == np.float32 else 1e-2, transposed_state=True, **dict(tuning))
@@ -309,19 +315,11 @@ def test_transposed_training_passes(rule, dtype, docs, split, monkeypatch):
     initial state; row-factor columns (f32 GDN, DeltaNet with documents) read ``eout`` as rows in both
     passes; ``split``: the passes on 3 segments of two chunks (``state_split``). Both loops must receive
     ``transposed``."""
-    seen = {"fwd": [], "bwd": []}
-    for name, key in (("state_fwd_loop", "fwd"), ("state_bwd_loop", "bwd")):
-        def spy(*a, transposed=False, _loop=getattr(kn, name), _key=key, **kw):
-            seen[_key].append(transposed)
-            return _loop(*a, transposed=transposed, **kw)
-        monkeypatch.setattr(kn, name, spy)
-    kd._state_fwd.clear_cache()
-    value_and_grads.cache_clear()
+    seen = spy_transposed(monkeypatch, "state_fwd_loop", "state_bwd_loop")
     x = make_inputs(22, dtype=dtype, shape=(1, 96 * (2 if split > 1 else 1), 2, 16, 16))  # segments of 2 chunks
     tuning = (("transposed_state", True), ("state_bwd", "triton")) + ((("state_split", split),) if split > 1 else ())
     check(rule, x, docs, 1e-4 if dtype == np.float32 else 1e-2, target="gpu", tuning=tuning)
-    value_and_grads.cache_clear()
-    assert seen["fwd"] and all(seen["fwd"]) and seen["bwd"] and all(seen["bwd"]), seen
+    assert all(flags and all(flags) for flags in seen.values()), seen
 
 
 @pytest.mark.parametrize("rule", ["gdn", "kda"])
@@ -329,21 +327,11 @@ def test_one_chunk_state_passes_stay_untransposed(rule, monkeypatch):
     """A state pass over one chunk runs untransposed even with ``transposed_state=True`` (interpreted on a
     CPU, XLA folds the one-step loop's transposes into bf16 dots its CPU runtime cannot run): a bf16
     sequence of 20 tokens, its forward alone and its gradients, against the reference."""
-    seen = []
-    loop = kn.state_fwd_loop
-
-    def spy(*a, transposed=False, **kw):
-        seen.append(transposed)
-        return loop(*a, transposed=transposed, **kw)
-
-    monkeypatch.setattr(kn, "state_fwd_loop", spy)
-    kd._state_fwd.clear_cache()
-    value_and_grads.cache_clear()
+    seen = spy_transposed(monkeypatch, "state_fwd_loop", "state_bwd_loop")
     x = make_inputs(23, dtype=jnp.bfloat16, shape=(1, 20, 2, 16, 16))
     check_forward_alone(rule, x, jnp.asarray(x["seg"]), 1e-2, transposed_state=True)
     check(rule, x, True, 1e-2, target="gpu", tuning=(("transposed_state", True), ("state_bwd", "triton")))
-    value_and_grads.cache_clear()
-    assert seen and not any(seen), seen
+    assert all(flags and not any(flags) for flags in seen.values()), seen
 
 
 def test_transposed_state_passes_by_default():
