@@ -390,6 +390,14 @@ def test_split_state_passes(rule, target, dtype, fuse):
           tuning=(("state_split", P), ("fuse_output", fuse)))
 
 
+@pytest.mark.parametrize("rule,target", [("gdn", "gpu"), ("kda", "gpu"), pytest.param("kda", "tpu", marks=pytest.mark.slow)])
+def test_split_state_passes_with_mild_gates(rule, target):
+    """``state_split=P`` where a segment's start state still matters: mild gates (a chunk decays by
+    ≈ 0.2–1) and no resets, so the chained segment starts (and their gradients) reach the outputs."""
+    x = make_inputs(25, gates="mild")
+    check(rule, x, False, 1e-4, target=target, tuning=(("state_split", 3 if target == "gpu" else 2),))
+
+
 @pytest.mark.parametrize("rule,target,order", [("kda", "gpu", "nbh"), ("gdn", "gpu", "hnb"), ("delta", "tpu", "nhb")])
 def test_grid_order(rule, target, order):
     """``grid_order``: the parallel kernels' (batch, head, chunk) grid launched in another order reads
