@@ -215,6 +215,21 @@ def test_intra_knob_is_parsed_and_checked():
         kb.parse_tuning(argparse.ArgumentParser(), "--ab", "intra=rows")
 
 
+def test_transposed_state_knob_takes_passes(capsys):
+    """``--ab transposed_state=...``: 0 / 1 (every pass), ``none``, or passes joined by ``+``; an unknown
+    pass is an argparse error naming the flag and the passes."""
+    import argparse
+
+    parse = lambda text: kb.parse_tuning(argparse.ArgumentParser(), "--ab", text)  # noqa: E731
+    assert parse("transposed_state=1") == {"transposed_state": True}
+    assert parse("transposed_state=0") == {"transposed_state": False}
+    assert parse("transposed_state=fwd+bwd") == {"transposed_state": ("fwd", "bwd")}
+    assert parse("transposed_state=none") == {"transposed_state": ()}
+    with pytest.raises(SystemExit):
+        parse("transposed_state=fwd+sideways")
+    assert "--ab: transposed_state" in capsys.readouterr().err
+
+
 def test_mosaic_part_times_the_triton_backward_pass(monkeypatch):
     """``--parts mosaic``: the Triton column's backward is the Triton pass at every shape, not the
     default lowering (``state_bwd="auto"`` picks the Mosaic GPU pass at 128 programs or more)."""
