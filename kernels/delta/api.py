@@ -984,8 +984,8 @@ def default_intra(target: str, gate: str, low: bool, C: int = 32, gate_bound=Non
     keeps the tiles' anchored or looped diagonal tiles), for chunks of at most 32 tokens and gates whose bound
     ``gate_bound`` (None: exact gates, whose chunks that span too far are redone exactly — ``anchored_fwd``
     "fixup"; with "fused" exact gates take the tiles) keeps the anchor's span within ``WHOLE_SPAN``; paired
-    (``--ab intra=whole --rules kdab,kda``, commit 006d14f), forward 0.75–0.83×, fwd+bwd 0.90–0.92× at the same shapes, exact and
-    bounded gates. Chunks above 32 tokens take ``"halves"`` without per-channel gates
+    (``--ab intra=whole --rules kdab,kda``, commit 006d14f), forward 0.75–0.83×, fwd+bwd 0.90–0.92× at the
+    same shapes, exact and bounded gates. Chunks above 32 tokens take ``"halves"`` without per-channel gates
     (:func:`kernels.delta.kernels.intra_fwd_halves`: the forward solves two halves whole and merges them; the
     backward's kernels as "whole"): at C = 64, paired against "whole" (``kernel_bench --parts ab
     --pallas_chunk 64 --ab intra=halves``, commit fee572b), forward 0.67–0.73×, fwd+bwd 0.74–0.77× for
@@ -1177,7 +1177,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`state_pairs` must be True or False, got {state_pairs!r}")
     if state_pairs and target != "gpu":
         raise ValueError(f"`state_pairs=True` is a GPU state-loop form; `target` is {target!r}")
-    if isinstance(transposed_state, (list, tuple)) and not set(transposed_state) <= set(TRANSPOSED_PASSES):
+    if isinstance(transposed_state, (list, tuple)) and not all(
+            isinstance(p, str) and p in TRANSPOSED_PASSES for p in transposed_state):
         raise ValueError(f"`transposed_state` passes must be among {TRANSPOSED_PASSES}, got {transposed_state!r}")
     if not (transposed_state == "auto" or isinstance(transposed_state, (bool, list, tuple))):
         raise ValueError(f"`transposed_state` must be 'auto', True, False or a tuple of passes from "
