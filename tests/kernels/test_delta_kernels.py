@@ -390,7 +390,8 @@ def test_split_state_passes(rule, target, dtype, fuse):
           tuning=(("state_split", P), ("fuse_output", fuse)))
 
 
-@pytest.mark.parametrize("rule,target", [("gdn", "gpu"), ("kda", "gpu"), pytest.param("kda", "tpu", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rule,target", [("gdn", "gpu"), ("kda", "gpu"),
+                                         pytest.param("kda", "tpu", marks=pytest.mark.slow)])
 def test_split_state_passes_with_mild_gates(rule, target):
     """``state_split=P`` where a segment's start state still matters: mild gates (a chunk decays by
     ≈ 0.2–1) and no resets, so the chained segment starts (and their gradients) reach the outputs."""
