@@ -402,7 +402,7 @@ def part_mosaic(results, shapes, reps):
             z = jnp.zeros((B, T, H, D), jnp.bfloat16)
             # per-channel gates: the Triton passes take q_in and k_out as arrays, as the Mosaic GPU ones do
             # unsplit passes, and the Triton backward pass in the Triton column (its default, state_bwd="auto",
-            # takes the Mosaic GPU pass at 128 programs or more)
+            # takes the Mosaic GPU pass at 256 programs or more)
             s, _ = api._debug_spec(z, z, z, z.astype(jnp.float32), z[..., 0], state_split=1, state_bwd="triton")
             it = s.interpret  # the CPU: both in their interpreters
             fns = {"mosaic fwd": jax.jit(lambda: mg.state_fwd(W, U, ko, d, h0, chunk=C, interpret=it)),

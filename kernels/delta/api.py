@@ -17,10 +17,11 @@ lowerings (same arguments and results); on few long sequences they run split int
 0.295 / 0.257 at (2, 8192) and 0.175 / 0.308 at (8, 2048); backward 0.390 / 0.370 at (2, 8192). Inside the whole
 fwd+bwd the Mosaic GPU backward pass was faster at (8, 2048) (256 programs: DeltaNet 2.58 against
 2.74 ms, GDN 3.44 / 3.60, KDA 4.34 / 4.56) and slower at (2, 8192) (64 programs: 3.21 / 2.87,
-3.86 / 3.63, 4.68 / 4.55), so on Hopper GPUs it is the default from ``MOSAIC_BWD_PROGRAMS`` = 128
+3.86 / 3.63, 4.68 / 4.55), so on Hopper GPUs it is the default from ``MOSAIC_BWD_PROGRAMS`` = 256
 programs on (``state_bwd="auto"``; ``"triton"`` / ``"mosaic"`` force one). Timed paired in one process
-with the current kernels at (8, 2048) the two lowerings are even (Triton / Mosaic GPU fwd+bwd 0.997
-to 1.009: docs/benchmarks.md). The forward stays on Triton because
+with the current kernels (Triton / Mosaic GPU fwd+bwd; docs/benchmarks.md) the Triton pass is faster at
+128 programs ((4, 4096): 0.96–0.99), the two are even at 256 ((8, 2048): 0.98–1.01) and Mosaic GPU is
+faster at 512 ((16, 1024): Triton 1.06–1.09). The forward stays on Triton because
 the Triton pass takes the output too (``Spec.fuse_output``), which the Mosaic GPU pass does not.
 If the Triton lowering is removed, the state passes keep running on Mosaic GPU; the intra-chunk
 kernels would need the same port. GPU chunks are 32 tokens (two 16-row tiles): Triton's compile
@@ -120,7 +121,7 @@ STATE_BWD = ("auto", "triton", "mosaic")
 # fastest-varying launch index (Triton's program id 0, CUDA's x), on TPUs the outermost loop. The
 # kernels read their blocks through index maps, so any order gives the same results.
 GRID_ORDERS = ("bhn", "bnh", "hbn", "hnb", "nbh", "nhb")
-MOSAIC_BWD_PROGRAMS = 128
+MOSAIC_BWD_PROGRAMS = 256
 # GPU state passes that may carry the transposed state (``transposed_state``): the forward that stores no
 # per-chunk state (an undifferentiated call's), the training forward (storing h and Ũ), the backward.
 TRANSPOSED_PASSES = ("fwd", "train", "bwd")
@@ -953,7 +954,11 @@ def default_state_bwd(BH: int, C: int, K: int, V: int, dtype, interpret: bool, h
     """GPU: the backward state pass's lowering (``STATE_BWD``): Mosaic GPU where it runs compiled on a
     Hopper GPU (``hopper``; wgmma and TMA are sm_90 features) on 16-bit inputs its tiles take and
     launches at least ``MOSAIC_BWD_PROGRAMS`` programs (one per batch·head and 64 value columns; with
-    fewer, Triton's 16- or 32-column blocks launch more), else Triton. Float32 stays on Triton: its
+    fewer, Triton's 16- or 32-column blocks launch more), else Triton. Paired on one H200 (bf16, H 16,
+    D 128, fwd+bwd, ``kernel_bench --parts ab --ab state_bwd=triton``, commit 1233476; ``knobs_h200.json``,
+    ``paired.state_bwd_programs``), Triton / Mosaic GPU: 0.958 (DeltaNet), 0.982 (KDA bounded), 0.987
+    (GDN) at (4, 4096), 128 programs; 0.994, 0.975, 1.010 at (8, 2048), 256; 1.093, 1.061, 1.086 at
+    (16, 1024), 512. Float32 stays on Triton: its
     f32 products are f32-accurate (``BF16X6``), Mosaic's are three bf16 products (≈ 2⁻¹⁶ relative)."""
     if interpret or not hopper or jnp.dtype(dtype) == jnp.float32 or not _mosaic_fits(C, K, V):
         return "triton"

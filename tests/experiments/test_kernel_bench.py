@@ -232,7 +232,7 @@ def test_transposed_state_knob_takes_passes(capsys):
 
 def test_mosaic_part_times_the_triton_backward_pass(monkeypatch):
     """``--parts mosaic``: the Triton column's backward is the Triton pass at every shape, not the
-    default lowering (``state_bwd="auto"`` picks the Mosaic GPU pass at 128 programs or more)."""
+    default lowering (``state_bwd="auto"`` picks the Mosaic GPU pass at 256 programs or more)."""
     import jax.numpy as jnp
 
     from kernels.delta import api

@@ -890,6 +890,7 @@ def test_default_state_bwd_lowering():
     bf16, n = jnp.bfloat16, api.MOSAIC_BWD_PROGRAMS
     assert api.default_state_bwd(128, 32, 128, 128, bf16, False) == "mosaic"      # (8, 2048) x 16 heads
     assert api.default_state_bwd(32, 32, 128, 128, bf16, False) == "triton"       # (2, 8192): 64 programs
+    assert api.default_state_bwd(64, 32, 128, 128, bf16, False) == "triton"       # (4, 4096): 128 programs
     assert api.default_state_bwd(n, 32, 128, 64, bf16, False) == "mosaic"
     assert api.default_state_bwd(n - 1, 32, 128, 64, bf16, False) == "triton"
     assert api.default_state_bwd(128, 32, 128, 128, jnp.float32, False) == "triton"
