@@ -507,18 +507,29 @@ def _d_end(cfg: Cfg, dend_ref, n):
     return dend_ref[n].astype(F32)
 
 
-def _lagged_decay(cfg: Cfg, dend_ref, n_chunks: int, step, first, row: bool = False):
+def _lagged_decay(cfg: Cfg, dend_ref, n_chunks: int, step, first, row=None):
     """The decay the loops apply at the top of a step: that of the chunk before it in the loop's order
     (``step``, clamped), and 1 at the ``first`` step. The loops carry a state and its last update
     apart and combine them a step late (``S_n = d_{n−1} ⊙ S_{n−1} + k_outᵀ Ũ_{n−1}``), so that ``d``
     feeds that step's matmuls: Triton's pipeliner then prefetches it with the matmuls' operands. A
     load that fed only the carried state was not pipelined and waited on memory inside every step,
     even issued a step ahead (``docs/benchmarks.md``, "State passes: every load pipelined").
-    ``row``: as a row, ``[1, K]`` or ``[1, 1]`` (:func:`_d_row`), which scales the columns of a
-    transposed state ``Sᵀ [bv, K]``; else the ``[K, 1]`` column (:func:`_d_end`)."""
+    ``row``: as a row, which scales the columns of a transposed state ``Sᵀ [bv, K]``: ``"full"`` the
+    ``[K, 1]`` column turned into a ``[1, K]`` row (a scalar decay's number K times), ``"block"``
+    :func:`_d_row` (``[1, 1]`` for a scalar decay); None: the ``[K, 1]`` column (:func:`_d_end`). Triton
+    pipelines the full row's load and not the ``[1, 1]`` block's, so the training forward and the
+    backward take the full row: paired on one H200 (``kernel_bench --parts ab --ab_ref``, the kernels of
+    commit 2b5230a, with the block, against a copy with the full row; ``knobs_h200.json``,
+    ``paired.gdn_decay_row``) GDN's fwd+bwd took
+    0.975 at (2, 8192) (its backward's Triton loop), 0.998 at (8, 2048) and 1.004 at (1, 32768)
+    (there the backward's second pass runs on Mosaic GPU). The forward that stores nothing keeps the
+    block: with the full row GDN's forward took 1.00, 1.02 and 1.04× as long."""
     if not _decays(cfg):
         return None
-    return jnp.where(first, 1.0, (_d_row if row else _d_end)(cfg, dend_ref, jnp.clip(step, 0, n_chunks - 1)))
+    n = jnp.clip(step, 0, n_chunks - 1)
+    if row == "full":
+        return jnp.where(first, 1.0, col_to_row(_d_end(cfg, dend_ref, n), cfg.transpose))
+    return jnp.where(first, 1.0, (_d_row if row == "block" else _d_end)(cfg, dend_ref, n))
 
 
 def _chunk_rows(n, C):
@@ -543,16 +554,18 @@ def state_fwd_loop(cfg: Cfg, n_chunks: int, out: "StateOut", *refs, pairs: bool 
         assert not pairs, "state_fwd_loop: transposed with pairs"
         h_ref = outs[0]
 
+        row = "block" if h_ref is None else "full"  # (_lagged_decay)
+
         def tbody(n, carry):  # the decay applied a step late, as below
             St, upd = carry
-            St = _mul(St, _lagged_decay(cfg, dend_ref, n_chunks, n - 1, n == 0, row=True)) + upd
+            St = _mul(St, _lagged_decay(cfg, dend_ref, n_chunks, n - 1, n == 0, row=row)) + upd
             if h_ref is not None:
                 h_ref[n] = jnp.transpose(St).astype(h_ref.dtype)
             return St, _transposed_step(cfg, ins, outs, n, St)
 
         St0 = jnp.transpose(h0_ref[...].astype(F32))
         St, upd = lax.fori_loop(0, n_chunks, tbody, (St0, jnp.zeros_like(St0)))
-        St = _mul(St, _lagged_decay(cfg, dend_ref, n_chunks, n_chunks - 1, False, row=True)) + upd
+        St = _mul(St, _lagged_decay(cfg, dend_ref, n_chunks, n_chunks - 1, False, row=row)) + upd
         st_ref[...] = jnp.transpose(St).astype(st_ref.dtype)
         return
     step = 2 if pairs else 1
@@ -796,14 +809,14 @@ def state_bwd_loop(cfg: Cfg, n_chunks: int, *refs, stores: bool = True, transpos
         def tbody(i, carry):  # the decay applied a step late, as below
             dSt, upd = carry
             n = n_chunks - 1 - i
-            dSt = _mul(dSt, _lagged_decay(cfg, dend_ref, n_chunks, n + 1, i == 0, row=True)) + upd
+            dSt = _mul(dSt, _lagged_decay(cfg, dend_ref, n_chunks, n + 1, i == 0, row="full")) + upd
             if dh_ref is not None:
                 dh_ref[n] = jnp.transpose(dSt).astype(dh_ref.dtype)
             return dSt, _transposed_bwd_step(cfg, ins, dut_ref, n, dSt)
 
         dSt0 = jnp.transpose(dst_ref[...].astype(F32))
         dSt, upd = lax.fori_loop(0, n_chunks, tbody, (dSt0, jnp.zeros_like(dSt0)))
-        dSt = _mul(dSt, _lagged_decay(cfg, dend_ref, n_chunks, 0, False, row=True)) + upd
+        dSt = _mul(dSt, _lagged_decay(cfg, dend_ref, n_chunks, 0, False, row="full")) + upd
         dh0_ref[...] = jnp.transpose(dSt).astype(dh0_ref.dtype)
         return
 
