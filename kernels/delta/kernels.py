@@ -520,10 +520,10 @@ def _lagged_decay(cfg: Cfg, dend_ref, n_chunks: int, step, first, row=None):
     pipelines the full row's load and not the ``[1, 1]`` block's, so the training forward and the
     backward take the full row: paired on one H200 (``kernel_bench --parts ab --ab_ref``, the kernels of
     commit 2b5230a, with the block, against a copy with the full row; ``knobs_h200.json``,
-    ``paired.gdn_decay_row``) GDN's fwd+bwd took
-    0.975 at (2, 8192) (its backward's Triton loop), 0.998 at (8, 2048) and 1.004 at (1, 32768)
-    (there the backward's second pass runs on Mosaic GPU). The forward that stores nothing keeps the
-    block: with the full row GDN's forward took 1.00, 1.02 and 1.04× as long."""
+    ``paired.gdn_decay_row``) GDN's fwd+bwd took 0.975 at (2, 8192) (its backward's Triton loop), 0.998
+    at (8, 2048) and 1.004 at (1, 32768) (at those two the backward's storing pass runs on Mosaic GPU).
+    The forward that stores nothing keeps the block: with the full row GDN's forward took 1.00, 1.02
+    and 1.04× as long."""
     if not _decays(cfg):
         return None
     n = jnp.clip(step, 0, n_chunks - 1)
