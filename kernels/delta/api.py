@@ -169,7 +169,8 @@ class Spec:
     state_split: int = 1  # segments the state passes split each sequence into (_state_forward); B, N, bv
                           # and state_bwd above describe the whole sequence, the passes run on B·P, N / P
     grid_order: str = "bhn"  # launch order of the intra-chunk and output kernels' grid (GRID_ORDERS)
-    chunks_per_program: int = 1  # GPU: chunks each program of the backward's intra-chunk kernels loops over (_grouped)
+    chunks_per_program: int = 1  # GPU: chunks each program of the backward's scores kernel loops over (_grouped)
+    solve_chunks: int = 1  # GPU: the same for the backward's solve kernel (default_chunks_per_program)
     state_pairs: bool = False  # GPU: the forward state pass takes two chunks a step (kernels._pair_step)
     transposed_state: tuple = ()  # GPU: the state passes that carry Sᵀ (TRANSPOSED_PASSES; default_transposed_state)
     train_qk_arrays: bool = False  # cfg.qk_arrays of a differentiated call (_train_spec; cfg: undifferentiated)
@@ -245,8 +246,8 @@ def _reorder(s: Spec, grid, in_specs, out_specs):
 
 def _grouped(s: Spec, G: int, body, grid, in_specs, out_specs):
     """The ``(b, h, n)`` parallel grid of an intra-chunk kernel with G chunks per program (the backward's:
-    ``s.chunks_per_program``; exact KDA's second forward pass: ``s.fixup_chunks``): blocks of G chunks,
-    the body run on each in a loop (``kernels.ChunkView``), so that Triton's pipeliner loads a chunk's
+    ``s.solve_chunks``, ``s.chunks_per_program``; exact KDA's second forward pass: ``s.fixup_chunks``):
+    blocks of G chunks, the body run on each in a loop (``kernels.ChunkView``), so that Triton's pipeliner loads a chunk's
     inputs while the previous one computes (and fewer programs start where most chunks have nothing to do)."""
     C = s.cfg.chunk
 
@@ -707,7 +708,7 @@ def _intra_bwd(s: Spec, q, k, v, g, beta, doc, KK, ut, dut, do, h, dh):
         s, functools.partial(kn.intra_bwd_solve_whole, s.cfg), grid=grid,
         in_specs=sspecs + [tc, tv, tv],
         out_specs=[tv, t1, tc, tv], out_shape=[sh(V, v.dtype), sh(1, F32), sh(C, F32), sh(V, s.cfg.mm_dtype)],
-        semantics=par, group=s.chunks_per_program, warps=s.num_warps_solve)(*sargs, KK, ut, dut)
+        semantics=par, group=s.solve_chunks, warps=s.num_warps_solve)(*sargs, KK, ut, dut)
     dq, dk, dbeta, *dg = _call(
         s, functools.partial(kn.intra_bwd_scores_whole if whole else kn.intra_bwd_scores, cfg), grid=grid,
         in_specs=specs + [tv, tv, chv, chv, tc, tv, t1], out_specs=out_specs, out_shape=outs, semantics=par,
@@ -853,16 +854,22 @@ def default_bv(BH: int, V: int) -> int:
     return bv
 
 
-def default_chunks_per_program(target: str, gate: str, N: int, C: int = 32, low: bool = True) -> int:
-    """Chunks per program of the backward's intra-chunk kernels (``chunks_per_program="auto"``): on
-    GPUs ``PROGRAM_CHUNKS`` where it divides the chunk count, except for scalar gates (GDN), whose
-    scores kernel took longer looping (paired, one H200: DeltaNet and KDA fwd+bwd 0.88–0.96×, GDN 1.05×
-    with the tile kernels, 1.007–1.014× with the whole-chunk ones; ``docs/benchmarks.md``), and except
+def default_chunks_per_program(target: str, gate: str, N: int, C: int = 32, low: bool = True,
+                               kernel: str = "scores") -> int:
+    """Chunks per program of the backward's intra-chunk kernels (``chunks_per_program="auto"``; ``kernel``:
+    "scores" or "solve"): on GPUs ``PROGRAM_CHUNKS`` where it divides the chunk count, except for the
+    scores kernel of scalar gates (GDN), which took longer looping (paired, one H200: DeltaNet and KDA
+    fwd+bwd 0.88–0.96×, GDN 1.05× with the tile kernels, 1.007–1.014× with the whole-chunk ones, 1.016–1.026×
+    at commit 1233476; ``docs/benchmarks.md``). The solve kernel is the same gate-free kernel for every rule
+    and loops for GDN too: its fwd+bwd took 0.990 at (2, 8192) and 0.986 at (8, 2048) (commit 2007b45
+    against a copy looping it; ``knobs_h200.json``, ``paired.gdn_solve_chunks``). Except also
     where the looped scores kernels' pipelined loads do not fit a Hopper GPU's 227 KB of shared memory
     (Triton 3.6, K = V = 128): chunks above 32 tokens (bf16, C = 64: 408 KB for DeltaNet's whole-chunk
     kernel, 288 KB for KDA's) and f32 inputs (``low=False``; C = 32: 339 KB for DeltaNet's, 484 KB for
     KDA's — the launch failed on an H200); 1 on TPUs."""
-    if target != "gpu" or gate == "scalar" or N % PROGRAM_CHUNKS or C > 32 or not low:
+    if kernel not in ("scores", "solve"):
+        raise ValueError(f"`kernel` must be 'scores' or 'solve', got {kernel!r}")
+    if target != "gpu" or (gate == "scalar" and kernel == "scores") or N % PROGRAM_CHUNKS or C > 32 or not low:
         return 1
     return PROGRAM_CHUNKS
 
@@ -1198,8 +1205,10 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     elif isinstance(state_split, bool) or not isinstance(state_split, int) or state_split < 1 or N % state_split:
         raise ValueError(f"`state_split` must be 'auto' or a positive int dividing the number of chunks "
                          f"(T = {T} is {N} chunks of {C}), got {state_split!r}")
+    solve_chunks = chunks_per_program
     if chunks_per_program == "auto":
         chunks_per_program = default_chunks_per_program(target, gate or "none", N, C, low)
+        solve_chunks = default_chunks_per_program(target, gate or "none", N, C, low, kernel="solve")
     elif isinstance(chunks_per_program, bool) or not isinstance(chunks_per_program, int) or chunks_per_program < 1 \
             or N % chunks_per_program or (chunks_per_program > 1 and target != "gpu"):
         raise ValueError(f"`chunks_per_program` must be 'auto' or a positive int dividing the number of chunks "
@@ -1251,6 +1260,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
                               else int(num_warps_solve)),
              anchored_bwd=anchored_bwd, anchored_fwd=anchored_fwd, fuse_output=fuse_output, state_bwd=state_bwd,
              state_split=state_split, grid_order=grid_order, chunks_per_program=chunks_per_program,
+             solve_chunks=solve_chunks,
              state_pairs=state_pairs, train_qk_arrays=train_qk_arrays, fixup_chunks=fixup_chunks,
              transposed_state=transposed_state)
 
@@ -1325,7 +1335,8 @@ _DOC = """
       state passes run P segments of every sequence at once; P divides the chunk count),
       ``grid_order`` (launch order of the parallel kernels' grid: ``GRID_ORDERS``) and
       ``chunks_per_program`` (``"auto"`` or G: on GPUs each program of the backward's intra-chunk
-      kernels loops over G chunks, pipelining their loads; G divides the chunk count).
+      kernels loops over G chunks, pipelining their loads; G divides the chunk count; ``"auto"`` may
+      pick the solve and scores kernels' apart: :func:`default_chunks_per_program`).
       ``qk_arrays`` (scalar gates and documents; ``"auto"``, True or False): the forward kernel writes
       ``q ⊙ E_in`` and ``k ⊙ E_out`` as ``[T, K]`` arrays for the state passes, as per-channel gates
       do, instead of two ``[T, 1]`` row-factor columns (more bytes, fewer instructions per state

@@ -444,14 +444,35 @@ def test_f32_launches_fit_at_full_width(rule, T):
     check(rule, x, True, 1e-4)
 
 
+@pytest.mark.parametrize("rule", ["gdn", pytest.param("delta", marks=pytest.mark.slow)])
+def test_default_chunk_grouping(rule):
+    """16-bit inputs with an even chunk count (T = 128: 4 chunks of 32) on the GPU flavour and default
+    knobs: the backward's solve kernel loops over ``PROGRAM_CHUNKS`` chunks a program for every rule, the
+    scores kernel for DeltaNet and KDA only (``default_chunks_per_program``) — forward, final state and
+    every gradient against the reference, with resets, an initial state and gates that carry the state."""
+    from kernels.delta import api
+    x = make_inputs(29, gates="mild", dtype=jnp.bfloat16, shape=(2, 128, 2, 16, 16))
+    q, v, b = (jnp.asarray(x[n]) for n in ("q", "v", "beta"))
+    g = jnp.asarray(x["gs"]) if rule == "gdn" else None
+    s = api._debug_spec(q, q, v, g, b)[0]
+    G = api.PROGRAM_CHUNKS
+    assert (s.solve_chunks, s.chunks_per_program) == ((G, 1) if rule == "gdn" else (G, G))
+    check(rule, x, True, 1e-2, target="gpu")
+
+
 def test_default_chunks_per_program():
     """``chunks_per_program="auto"``: on GPUs ``PROGRAM_CHUNKS`` chunks a program where that divides the
-    chunk count, except for the scalar gate (GDN); 1 on TPUs."""
+    chunk count, except for the scalar gate's (GDN's) scores kernel; 1 on TPUs. An explicit value sets both
+    backward kernels'."""
     from kernels.delta import api
     G = api.PROGRAM_CHUNKS
     assert api.default_chunks_per_program("gpu", "none", 4 * G) == G
     assert api.default_chunks_per_program("gpu", "channel", 4 * G) == G
     assert api.default_chunks_per_program("gpu", "scalar", 4 * G) == 1
+    assert api.default_chunks_per_program("gpu", "scalar", 4 * G, kernel="solve") == G  # gate-free kernel
+    assert api.default_chunks_per_program("gpu", "scalar", 4 * G + 1, kernel="solve") == 1
+    with pytest.raises(ValueError, match="kernel"):
+        api.default_chunks_per_program("gpu", "none", 4 * G, kernel="intra")
     assert api.default_chunks_per_program("gpu", "none", 4 * G + 1) == 1
     assert api.default_chunks_per_program("tpu", "none", 4 * G) == 1
     assert api.default_chunks_per_program("gpu", "none", 4 * G, 64) == 1  # C > 32: one chunk (shared memory)
@@ -459,7 +480,10 @@ def test_default_chunks_per_program():
     assert api.split_bv(32) == api.SPLIT_BV and api.split_bv(32, low=False) == api.split_bv(64) == 64
     x = jnp.zeros((1, 256, 2, 16), jnp.bfloat16)
     assert api._debug_spec(x, x, x, None, x[..., 0])[0].chunks_per_program == G        # 8 chunks of 32
-    assert api._debug_spec(x, x, x, x[..., 0].astype(jnp.float32), x[..., 0])[0].chunks_per_program == 1  # GDN
+    gdn = api._debug_spec(x, x, x, x[..., 0].astype(jnp.float32), x[..., 0])[0]
+    assert (gdn.chunks_per_program, gdn.solve_chunks) == (1, G)                          # GDN: the solve kernel loops
+    gdn = api._debug_spec(x, x, x, x[..., 0].astype(jnp.float32), x[..., 0], chunks_per_program=1)[0]
+    assert (gdn.chunks_per_program, gdn.solve_chunks) == (1, 1)                          # explicit: both kernels
     x32 = x.astype(jnp.float32)
     assert api._debug_spec(x32, x32, x32, None, x32[..., 0])[0].chunks_per_program == 1  # f32 inputs
 
