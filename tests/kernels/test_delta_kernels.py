@@ -440,7 +440,7 @@ def test_f32_launches_fit_at_full_width(rule, T):
     from kernels.delta import api
     q = jnp.asarray(x["q"])
     spec = api._debug_spec(q, q, jnp.asarray(x["v"]), None, jnp.asarray(x["beta"]))[0]
-    assert spec.chunks_per_program == 1 and (spec.bv <= 64 or T < 2048)
+    assert spec.chunks_per_program == spec.solve_chunks == 1 and (spec.bv <= 64 or T < 2048)
     check(rule, x, True, 1e-4)
 
 
