@@ -247,8 +247,9 @@ def _reorder(s: Spec, grid, in_specs, out_specs):
 def _grouped(s: Spec, G: int, body, grid, in_specs, out_specs):
     """The ``(b, h, n)`` parallel grid of an intra-chunk kernel with G chunks per program (the backward's:
     ``s.solve_chunks``, ``s.chunks_per_program``; exact KDA's second forward pass: ``s.fixup_chunks``):
-    blocks of G chunks, the body run on each in a loop (``kernels.ChunkView``), so that Triton's pipeliner loads a chunk's
-    inputs while the previous one computes (and fewer programs start where most chunks have nothing to do)."""
+    blocks of G chunks, the body run on each in a loop (``kernels.ChunkView``), so that Triton's pipeliner
+    loads a chunk's inputs while the previous one computes (and fewer programs start where most chunks have
+    nothing to do)."""
     C = s.cfg.chunk
 
     def spec(bs):
