@@ -775,7 +775,7 @@ def plot(results, path):
 def parse_tuning(ap, flag, text) -> dict:
     """``knob=value,...`` of the Pallas launch knobs, validated (``ap.error`` naming ``flag``)."""
     from kernels.delta.api import (ANCHORED_BWD, ANCHORED_FWD, GRID_ORDERS, INTRAS, INVERSES, STATE_BWD,
-                                   TRANSPOSED_PASSES)
+                                   STATE_DOTS, TRANSPOSED_PASSES)
     out = {}
     for item in filter(None, text.split(",")):
         key, sep, val = item.partition("=")
@@ -783,7 +783,7 @@ def parse_tuning(ap, flag, text) -> dict:
             ap.error(f"{flag}: expected knob=value items, got {item!r}")
         choices = {"anchored_bwd": ANCHORED_BWD, "anchored_fwd": ANCHORED_FWD, "state_bwd": STATE_BWD,
                    "inverse": ("auto",) + INVERSES,
-                   "grid_order": GRID_ORDERS, "intra": INTRAS}
+                   "grid_order": GRID_ORDERS, "intra": INTRAS, "state_dot": STATE_DOTS}
         if key in choices:
             if val not in choices[key]:
                 ap.error(f"{flag}: {key} must be one of {choices[key]}, got {val!r}")

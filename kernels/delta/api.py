@@ -76,7 +76,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from . import kernels as kn
-from .tiles import BF16X6, F32, INTRAS, INVERSES, Cfg
+from .tiles import BF16X6, F32, INTRAS, INVERSES, STATE_DOTS, Cfg
 
 try:  # both exist in jax 0.10 / 0.11
     from jax.experimental.pallas import triton as pltriton
@@ -1107,7 +1107,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
              state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto",
              anchored_fwd="fixup", qk_arrays="auto", state_pairs=False, intra="auto", fixup_chunks=1,
-             transposed_state="auto"):
+             transposed_state="auto", state_dot="elementwise"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
@@ -1122,6 +1122,8 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         target = default_target()
     if target not in TARGETS:
         raise ValueError(f"`target` must be one of {TARGETS}, got {target!r}")
+    if state_dot not in STATE_DOTS:
+        raise ValueError(f"`state_dot` must be one of {STATE_DOTS}, got {state_dot!r}")
     if intra != "auto" and intra not in INTRAS:
         raise ValueError(f"`intra` must be 'auto' or one of {INTRAS}, got {intra!r}")
     if intra == "halves" and gate == "channel":
@@ -1178,7 +1180,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
               mm_dtype=io_dtype if low else F32, mm_prec=None if low else f32_prec,
               solve_prec=solve_prec, unroll=(target == "tpu" and not interpret), gate_bound=gate_bound,
               anchor_when_safe=(target == "gpu"), inverse=inverse, qk_arrays=qk_arrays, transpose=(target == "gpu"),
-              intra=intra)
+              intra=intra, state_dot=state_dot)
     if anchored_bwd is None:
         anchored_bwd = "scores"
     if anchored_bwd not in ANCHORED_BWD:
@@ -1310,7 +1312,7 @@ def _debug_spec(q, k, v, g, beta, gate=None, **tuning):
     None (DeltaNet), "scalar" (``g [B, T, H]``) or "channel"; ``tuning`` may hold
     ``gate_lower_bound``, ``chunk_size`` and the launch knobs (``bv``, ``num_warps``,
     ``num_warps_state``, ``num_stages_state``, ``num_warps_scores``, ``num_warps_fwd``, ``num_warps_solve``,
-    ``anchored_bwd``, ``anchored_fwd``, ``fixup_chunks``, ``intra``, ``transposed_state``)."""
+    ``anchored_bwd``, ``anchored_fwd``, ``fixup_chunks``, ``intra``, ``transposed_state``, ``state_dot``)."""
     if gate is None and g is not None:
         gate = "channel" if g.ndim == 4 else "scalar"
     tuning.setdefault("chunk_size", None)
@@ -1358,6 +1360,9 @@ _DOC = """
       16-row tile pairs, or (GPU) one ``[C, C]`` / ``[C, D]`` matmul per product (per-channel gates: 16-bit
       inputs, the forward kernel alone), or (scalar or no gates) the forward's from two whole halves of the
       chunk (C >= 32); ``"auto"``: :func:`default_intra`.
+      ``state_dot`` (``STATE_DOTS``; default ``"elementwise"``): with scalar gates and 16-bit states, the
+      gate gradient's ``Σ S ⊙ dS`` in the backward's scores kernel as elementwise products or as the
+      trace of 64-row block products on tensor cores (``"tensor"``); other calls are unaffected.
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """
@@ -1385,8 +1390,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=N
 chunk_delta_rule.__doc__ = "DeltaNet, ``S_t = (I − β_t k_tᵀk_t) S_{t−1} + β_t k_tᵀv_t``, by Pallas kernels." + _DOC
 chunk_gated_delta_rule.__doc__ = ("Gated DeltaNet (``g [B, T, H]`` log-decay, one scalar per head), by Pallas "
                                   "kernels (scalar-gate variants: each score tile's decay is one ``[16, 16]`` "
-                                  "``exp`` of differences; fwd+bwd takes 1.3–1.4× DeltaNet's on one H200, about two "
-                                  "thirds of the difference the gate's gradient in the backward's scores kernel)." + _DOC)
+                                  "``exp`` of differences; fwd+bwd takes 1.14–1.27× DeltaNet's on one H200, half of "
+                                  "the difference in the backward's scores kernel, which also forms the gate's "
+                                  "gradient: docs/benchmarks.md)." + _DOC)
 _BOUND_DOC = """      gate_lower_bound: opt-in bounded-gate mode (e.g. ``-5.0`` for K3's ``g = −5·σ(·)``), in
         ``[-8, 0)``: the caller promises ``g >= gate_lower_bound`` everywhere. Each 16-token
         diagonal tile is then anchored at its middle row (``|G_i − G_mid| <= 8·|bound|``, so

@@ -15,7 +15,7 @@ instruction count (``nvdisasm``); ``--layouts`` the warp layouts Triton chose fo
 each other's rows). ``--forward_only`` lowers the undifferentiated call (its forward
 kernels without residuals: the state pass takes the output and stores nothing else) instead of
 fwd+bwd; ``--qk_arrays``, ``--state_pairs``, ``--transposed_state``, ``--intra``, ``--chunks_per_program``,
-``--fixup_chunks`` and
+``--fixup_chunks``, ``--state_dot`` and
 ``--num_warps_fwd`` pass those launch knobs.
 ``--gate``: ``kda`` (exact per-channel), ``kda_bounded`` (``gate_lower_bound=-5``), ``gdn`` (scalar
 gate), ``none`` (DeltaNet) or ``all``; ``--dtype`` and ``--chunk_size`` take
@@ -29,14 +29,14 @@ import os
 import tempfile
 import time
 
-from .tiles import INTRAS
+from .tiles import INTRAS, STATE_DOTS
 
 GATES = ("none", "gdn", "kda", "kda_bounded")
 
 
 def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchored_bwd=None, inverse=None, bv=None,
               anchored_fwd=None, qk_arrays=None, state_pairs=None, forward_only=False, intra=None,
-              chunks_per_program=None, fixup_chunks=None, transposed_state=None):
+              chunks_per_program=None, fixup_chunks=None, transposed_state=None, state_dot=None):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering as L
@@ -70,6 +70,7 @@ def dump_ttir(outdir, gate, docs, dtype, B, T, H, K, V, chunk_size=None, anchore
                       **({} if transposed_state is None else {"transposed_state": transposed_state}),
                       **({} if qk_arrays is None or gate.startswith("kda") else {"qk_arrays": qk_arrays}),
                       **({} if intra is None else {"intra": intra}),
+                      **({} if state_dot is None else {"state_dot": state_dot}),
                       **({} if chunks_per_program is None else {"chunks_per_program": chunks_per_program}))
             kda_kw = {**({} if anchored_fwd is None else {"anchored_fwd": anchored_fwd}),
                       **({} if fixup_chunks is None else {"fixup_chunks": fixup_chunks})}
@@ -212,6 +213,8 @@ def main(argv=None):
                     help="the transposed_state launch knob (default: the API's)")
     ap.add_argument("--intra", choices=INTRAS, default=None,
                     help="the intra-chunk kernels' form (default: the API's; kda: tiles or whole)")
+    ap.add_argument("--state_dot", choices=STATE_DOTS, default=None,
+                    help="gdn: the state_dot launch knob (default: the API's)")
     ap.add_argument("--chunks_per_program", type=int, default=None,
                     help="the backward intra-chunk kernels' chunks per program (default: the API's)")
     ap.add_argument("--fixup_chunks", type=int, default=None,
@@ -246,7 +249,8 @@ def main(argv=None):
                                    None if args.qk_arrays is None else bool(args.qk_arrays),
                                    None if args.state_pairs is None else bool(args.state_pairs), args.forward_only,
                                    args.intra, args.chunks_per_program, args.fixup_chunks,
-                                   None if args.transposed_state is None else bool(args.transposed_state))
+                                   None if args.transposed_state is None else bool(args.transposed_state),
+                                   args.state_dot)
                     print(f"{label}{n} kernels lowered", flush=True)
                     kind = "channel" if gate.startswith("kda") else "none"
                     good, times = compile_all(d, args.num_warps, label,

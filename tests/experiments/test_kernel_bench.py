@@ -205,14 +205,17 @@ def test_ab_knobs_may_set_the_chunk_size(monkeypatch):
 
 
 def test_intra_knob_is_parsed_and_checked():
-    """``--pallas_tuning intra=...`` / ``--ab intra=...`` take the kernels' forms by name; another value
-    is an argparse error naming the flag."""
+    """``--pallas_tuning intra=...`` / ``--ab intra=...`` take the kernels' forms by name (and ``state_dot=...``
+    its two forms); another value is an argparse error naming the flag."""
     import argparse
 
     assert kb.parse_tuning(argparse.ArgumentParser(), "--ab", "intra=whole") == {"intra": "whole"}
     assert kb.parse_tuning(argparse.ArgumentParser(), "--pallas_tuning", "intra=tiles") == {"intra": "tiles"}
     with pytest.raises(SystemExit):
         kb.parse_tuning(argparse.ArgumentParser(), "--ab", "intra=rows")
+    assert kb.parse_tuning(argparse.ArgumentParser(), "--ab", "state_dot=tensor") == {"state_dot": "tensor"}
+    with pytest.raises(SystemExit):
+        kb.parse_tuning(argparse.ArgumentParser(), "--ab", "state_dot=trace")
 
 
 def test_transposed_state_knob_takes_passes(capsys):

@@ -337,6 +337,22 @@ def test_mild_gates_carry_the_state_across_chunks(rule, transposed, dtype):
           tuning=(("transposed_state", transposed), ("state_bwd", "triton")))
 
 
+@pytest.mark.parametrize("target,intra", [("gpu", "whole"), ("tpu", "tiles"),
+                                          pytest.param("gpu", "tiles", marks=pytest.mark.slow)])
+def test_state_dot_on_tensor_cores(target, intra):
+    """``state_dot="tensor"``: GDN's ``Σ S ⊙ dS`` (the gate gradient through a chunk's decay) as the trace of
+    64-row block products. bf16 inputs at K = 128 (two blocks), mild gates (that term reaches ``dg``),
+    forward and every gradient against the reference, in the whole and the tile scores kernels."""
+    x = make_inputs(31, gates="mild", dtype=jnp.bfloat16, shape=(1, 96, 2, 128, 32))
+    tuning = (("state_dot", "tensor"), ("intra", intra)) if target == "gpu" else (("state_dot", "tensor"),)
+    check("gdn", x, False, 1e-2, target=target, tuning=tuning)
+    a = [jnp.asarray(x[n]) for n in ("q", "k", "v", "gs", "beta")]
+    assert kd._debug_spec(*a, state_dot="tensor")[0].cfg.state_dot == "tensor"
+    assert kd._debug_spec(*a)[0].cfg.state_dot == "elementwise"
+    with pytest.raises(ValueError, match="state_dot"):
+        kd.chunk_gated_delta_rule(*a, interpret=True, state_dot="trace")
+
+
 @pytest.mark.parametrize("rule", ["gdn", "kda"])
 def test_one_chunk_state_passes_stay_untransposed(rule, monkeypatch):
     """A state pass over one chunk runs untransposed even with ``transposed_state=True`` (interpreted on a
