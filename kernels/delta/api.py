@@ -900,12 +900,14 @@ def split_bv(C: int, low: bool = True) -> int:
     return SPLIT_BV if C <= 32 and low else min(SPLIT_BV, 64)
 
 
-def default_transposed_state(target: str, gate=None) -> tuple:
+def default_transposed_state(target: str, gate=None, programs=None, bv=None, low: bool = True) -> tuple:
     """``transposed_state="auto"``: the GPU state passes that carry the transposed state ``Sᵀ [bv, K]``
     (``TRANSPOSED_PASSES``; :func:`kernels.delta.kernels.state_fwd_loop`, ``state_bwd_loop``): the forward
     that stores no per-chunk state ("fwd": an undifferentiated call's) and the Triton backward ("bwd")
-    always, the training forward ("train": ``h`` and ``Ũ`` stored transposed back) unless the gate is
-    scalar (GDN). Every product of a step then has ``bv`` rows: Triton puts its warps over the columns
+    always, the training forward ("train": ``h`` and ``Ũ`` stored transposed back) too unless the gate is
+    scalar (GDN) — whose training forward is transposed only with 16-bit inputs where its pass launches
+    at most ``STATE_PROGRAMS`` programs (``programs``) of at most 32 value columns (``bv``): one narrow
+    program an SM, where the loop's latency shows. Every product of a step then has ``bv`` rows: Triton puts its warps over the columns
     (``mma.sync``, ``v2[1,4]``) where the untransposed step runs the update as a ``wgmma`` it waits on and
     its 32-row products with two warps on each row block (ptxas, bf16: 128 registers and 768 SASS
     instructions per thread for DeltaNet's undifferentiated loop, against 202 and 824). Paired on one H200
@@ -920,10 +922,14 @@ def default_transposed_state(target: str, gate=None) -> tuple:
     0.273, 0.357 to 0.317 and 0.356 to 0.321 (GDN). GDN's training forward transposed (on the ``q_in``,
     ``k_out`` arrays of ``qk_arrays``) took its fwd+bwd to 1.02×, and on the row-factor columns to
     1.04–1.06×; with the decay read as a pipelined ``[1, K]`` row (``kernels._lagged_decay``) 0.95× at
-    (2, 8192), 1.01× at (8, 2048) and 1.04× at (1, 32768)."""
+    (2, 8192) (128 programs of 32 columns), 1.01× at (8, 2048) (512 programs) and 1.04× at (1, 32768)
+    (the split passes: 128 programs of 128 columns); paired, commit 2b5230a."""
     if target != "gpu":
         return ()
-    return ("fwd", "bwd") if gate == "scalar" else ("fwd", "train", "bwd")
+    if gate != "scalar":
+        return ("fwd", "train", "bwd")
+    few = low and programs is not None and programs <= STATE_PROGRAMS and bv is not None and bv <= 32
+    return ("fwd", "train", "bwd") if few else ("fwd", "bwd")
 
 
 def default_warps_state(bv: int, low: bool = True) -> int:
@@ -1248,7 +1254,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if num_warps_state is None:
         num_warps_state = default_warps_state(bv, low)
     if transposed_state == "auto":
-        transposed_state = default_transposed_state(target, gate)
+        transposed_state = default_transposed_state(target, gate, BHs * (V // bv), bv, low)
     else:
         transposed_state = TRANSPOSED_PASSES if transposed_state is True else tuple(transposed_state or ())
     s = Spec(cfg=cfg, target=target, interpret=bool(interpret), B=B, H=H, N=N, K=K, V=V, bv=bv,

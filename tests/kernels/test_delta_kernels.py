@@ -367,15 +367,25 @@ def test_one_chunk_state_passes_stay_untransposed(rule, monkeypatch):
 
 def test_transposed_state_passes_by_default():
     """``transposed_state="auto"`` (:func:`kernels.delta.api.default_transposed_state`): on GPUs the forward
-    that stores nothing ("fwd") and the backward ("bwd") always, the training forward ("train") except with
-    scalar gates (GDN); nothing on TPUs. True: every pass; False: none; a tuple
-    names the passes. Other values, unknown passes and any transposed pass on a TPU are refused by name."""
+    that stores nothing ("fwd") and the backward ("bwd") always, the training forward ("train") too except
+    with scalar gates (GDN), whose training forward is transposed only with 16-bit inputs on at most
+    ``STATE_PROGRAMS`` programs of at most 32 value columns; nothing on TPUs. True: every pass; False: none;
+    a tuple names the passes. Other values, unknown passes and any transposed pass on a TPU are refused by
+    name."""
     a = [jnp.zeros((1, 64, 2, 16), jnp.bfloat16)] * 3 + [jnp.ones((1, 64, 2), jnp.bfloat16)]
     a32 = [y.astype(jnp.float32) for y in a]
     gs, gc = -jnp.ones((1, 64, 2)), -jnp.ones((1, 64, 2, 16))
     spec = lambda args, g, **knobs: kd._debug_spec(*args[:3], g, args[3], **knobs)[0].transposed_state  # noqa: E731
     assert spec(a, None) == spec(a, gc) == spec(a, None, bv=64) == ("fwd", "train", "bwd")
-    assert spec(a, gs) == spec(a, gs, qk_arrays=True) == ("fwd", "bwd")
+    # GDN, 16-bit: 2 programs of 16 columns here; 512 programs of 32 columns at B = 8, H = 16, K = V = 128
+    assert spec(a, gs) == spec(a, gs, qk_arrays=True) == ("fwd", "train", "bwd")
+    assert spec(a, gs, bv=64) == ("fwd", "bwd")
+    wide = [jnp.zeros((8, 64, 16, 128), jnp.bfloat16)] * 3 + [jnp.ones((8, 64, 16), jnp.bfloat16)]
+    assert spec(wide, -jnp.ones((8, 64, 16))) == ("fwd", "bwd")
+    assert kd.default_transposed_state("gpu", "scalar", kd.STATE_PROGRAMS, 32) == ("fwd", "train", "bwd")
+    assert kd.default_transposed_state("gpu", "scalar", kd.STATE_PROGRAMS + 1, 32) == ("fwd", "bwd")
+    assert kd.default_transposed_state("gpu", "scalar", kd.STATE_PROGRAMS, 128) == ("fwd", "bwd")  # split passes
+    assert kd.default_transposed_state("gpu", "scalar", kd.STATE_PROGRAMS, 32, low=False) == ("fwd", "bwd")
     assert spec(a32, None) == spec(a32, gc) == ("fwd", "train", "bwd") and spec(a32, gs) == ("fwd", "bwd")
     assert spec(a32, gs, transposed_state=True) == kd.TRANSPOSED_PASSES
     assert spec(a, None, transposed_state=False) == ()
