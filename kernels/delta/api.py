@@ -907,10 +907,11 @@ def default_transposed_state(target: str, gate=None, programs=None, bv=None, low
     always, the training forward ("train": ``h`` and ``Ũ`` stored transposed back) too unless the gate is
     scalar (GDN) — whose training forward is transposed only with 16-bit inputs where its pass launches
     at most ``STATE_PROGRAMS`` programs (``programs``) of at most 32 value columns (``bv``): one narrow
-    program an SM, where the loop's latency shows. Every product of a step then has ``bv`` rows: Triton puts its warps over the columns
-    (``mma.sync``, ``v2[1,4]``) where the untransposed step runs the update as a ``wgmma`` it waits on and
-    its 32-row products with two warps on each row block (ptxas, bf16: 128 registers and 768 SASS
-    instructions per thread for DeltaNet's undifferentiated loop, against 202 and 824). Paired on one H200
+    program an SM, where the loop's latency shows. Every product of a step then has ``bv`` rows: Triton
+    puts its warps over the columns (``mma.sync``, ``v2[1,4]``) where the untransposed step runs the
+    update as a ``wgmma`` it waits on and its 32-row products with two warps on each row block (ptxas,
+    bf16: 128 registers and 768 SASS instructions per thread for DeltaNet's undifferentiated loop,
+    against 202 and 824). Paired on one H200
     (H 16, D 128, ``kernel_bench --parts ab``, ``docs/benchmarks.md``), transposed / untransposed forward:
     bf16 at (2, 8192) 0.80 (DeltaNet), 0.88 (KDA, exact and bounded), 0.89 (GDN, ``eout`` read as a
     ``[1, C]`` row per chunk); at (8, 2048) 0.89, 0.93, 0.97; at (1, 32768), split passes with 128-wide
