@@ -1227,6 +1227,10 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         raise ValueError(f"`chunks_per_program` above 1 needs `chunk_size` <= 32 (looped, the backward's scores "
                          f"kernels at C = {C} ask for more than a Hopper GPU's 227 KB of shared memory), got "
                          f"{chunks_per_program!r}")
+    elif chunks_per_program > 1 and not low and K * V >= 128 * 128:
+        raise ValueError(f"`chunks_per_program` above 1 with float32 inputs needs K·V below 128·128 (looped at K = V "
+                         f"= 128, the backward's kernels asked an H200 for 339 KB (DeltaNet) and 484 KB (KDA) of its "
+                         f"227 KB of shared memory); got K = {K}, V = {V} (padded) and {chunks_per_program!r}")
     if isinstance(fixup_chunks, bool) or not isinstance(fixup_chunks, int) or fixup_chunks < 1 \
             or N % fixup_chunks or (fixup_chunks > 1 and target != "gpu"):
         raise ValueError(f"`fixup_chunks` must be a positive int dividing the number of chunks (T = {T} is {N} "

@@ -442,7 +442,8 @@ def test_chunks_per_program(rule, G, order):
     """``chunks_per_program``: each program of the backward's intra-chunk kernels loops over G chunks
     of a G-chunk block (``kernels.ChunkView``; here all 3 chunks of a sequence) — forward, final state
     and every gradient equal the reference's, with resets and an initial state; G must divide the
-    chunk count, is GPU-only and above 1 needs chunks of at most 32 tokens (all named). With
+    chunk count, is GPU-only and above 1 needs chunks of at most 32 tokens and, with f32 inputs, K·V below
+    128·128 (all named). With
     ``grid_order`` the grouped grid is launched in that order."""
     check(rule, make_inputs(11), True, 1e-4, tuning=(("chunks_per_program", G), ("grid_order", order)))
     x = make_inputs(6)
@@ -453,6 +454,12 @@ def test_chunks_per_program(rule, G, order):
         kd.chunk_delta_rule(q, k, v, beta, target="tpu", chunks_per_program=2)
     with pytest.raises(ValueError, match="chunks_per_program.*chunk_size"):  # C = 64: shared memory
         kd.chunk_delta_rule(q, k, v, beta, target="gpu", interpret=True, chunks_per_program=2, chunk_size=64)
+    wide = jnp.zeros((1, 64, 1, 128), jnp.float32)  # f32 at K = V = 128: shared memory again
+    with pytest.raises(ValueError, match="chunks_per_program.*float32"):
+        kd.chunk_delta_rule(wide, wide, wide, jnp.ones((1, 64, 1)), target="gpu", interpret=True, chunks_per_program=2)
+    w16 = wide.astype(jnp.bfloat16)
+    assert kd._debug_spec(w16, w16, w16, None, jnp.ones((1, 64, 1)),
+                          chunks_per_program=2)[0].chunks_per_program == 2  # 16-bit inputs loop there
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="a compiled launch's shared memory: GPUs only")
