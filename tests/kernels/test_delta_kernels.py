@@ -59,7 +59,7 @@ def make_inputs(seed, gates="uniform", dtype=np.float32, shape=None):
     )
     if gates == "uniform":
         gc, gs = -r.uniform(0, 1, (B, T, H, K)), -r.uniform(0, 1, (B, T, H))
-    elif gates == "mild":  # a model's gates near 0 (−0.2·σ(z)): a chunk's decay e^{Σ g} ≈ 0.2–1, not ≈ e^{−16}
+    elif gates == "mild":  # a model's gates near 0 (−0.2·σ(z)): a chunk's decay e^{Σ g} ≈ 0.2–1, not e^{−16}
         gc, gs = -r.uniform(0, 0.1, (B, T, H, K)), -r.uniform(0, 0.1, (B, T, H))
     elif gates == "bound":  # the K3 lower bound: −5 per token (half of them), else mild
         gc = np.where(r.uniform(size=(B, T, H, K)) < 0.5, -5.0, -r.uniform(0, 0.1, (B, T, H, K)))
