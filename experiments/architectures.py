@@ -124,3 +124,24 @@ def select(keys: Optional[Sequence[str]], layers: int, arg: str = "archs") -> li
         extra = dict(extra, attnres_block=min(extra["attnres_block"], layers)) if "attnres_block" in extra else extra
         out.append((key, named[key], pattern, extra))
     return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m experiments.architectures``: print the rows with their command-line keys."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.architectures",
+        description="List the architectures the experiments compare: the keys that scorecard --only and "
+                    "mqar / niah --archs take (lm --archs: the card's rows), each row's label and 4-layer pattern.")
+    parser.parse_args(argv)
+    for title, keys, rows in (("card rows", KEYS, ARCHITECTURES),
+                              ("diagnostic rows (run only when named)", EXTRA_KEYS, EXTRA_ARCHITECTURES)):
+        print(f"{title}:")
+        patterns = {label: pattern for label, pattern, _ in rows}
+        for key, label in keys.items():
+            print(f"  {key:<12} {patterns[label]}  {label}")
+
+
+if __name__ == "__main__":
+    main()

@@ -75,9 +75,33 @@ def check(impl, layout, seg_on, B=2, T=300, doc_len=64):
     return out
 
 
-def run(quick=False, out="results", shapes="4x4096,1x32768", impls=",".join(IMPLS), layouts="mha,gqa,mla",
-        reps=10, doc_len=512) -> dict:
-    shape_list = [tuple(int(n) for n in s.split("x")) for s in shapes.split(",") if s.strip()]
+DEFAULT_SHAPES, DEFAULT_REPS = "4x4096,1x32768", 10
+QUICK_SHAPES, QUICK_REPS = "1x256", 2  # --quick, for the options left unset
+
+
+def _parse(shapes: str) -> list[tuple[int, int]]:
+    """``"4x4096,1x32768"`` -> ``[(4, 4096), (1, 32768)]``; a ``ValueError`` naming ``--shapes`` otherwise."""
+    out = []
+    for s in shapes.split(","):
+        if not s.strip():
+            continue
+        parts = s.strip().lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--shapes: {s.strip()!r} is not BxT (two positive ints joined by 'x')")
+        out.append((int(parts[0]), int(parts[1])))
+    if not out:
+        raise ValueError("--shapes: no shape given")
+    return out
+
+
+def run(quick=False, out="results", shapes=None, impls=",".join(IMPLS), layouts="mha,gqa,mla",
+        reps=None, doc_len=512) -> dict:
+    """Time and check every impl, layout and shape; ``shapes`` / ``reps`` left ``None`` take the
+    defaults (with ``quick``: one tiny shape, 2 reps)."""
+    shape_list = _parse(shapes if shapes is not None else QUICK_SHAPES if quick else DEFAULT_SHAPES)
+    reps = reps if reps is not None else QUICK_REPS if quick else DEFAULT_REPS
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"--reps: must be a positive int, got {reps!r}")
     impl_list = [i.strip() for i in impls.split(",") if i.strip()]
     layout_list = [l.strip() for l in layouts.split(",") if l.strip()]
     for i in impl_list:
@@ -86,8 +110,6 @@ def run(quick=False, out="results", shapes="4x4096,1x32768", impls=",".join(IMPL
     for l in layout_list:
         if l not in LAYOUTS:
             raise ValueError(f"--layouts: unknown layout {l!r}; choose from {tuple(LAYOUTS)}")
-    if quick:
-        shape_list, reps = [(1, 256)], 2
     record = C.provenance(NAME, quick)
     record.update(shapes=shape_list, impls=impl_list, layouts=layout_list, reps=reps, doc_len=doc_len,
                   results=[], checks=[], skipped={})
@@ -169,11 +191,15 @@ def table(record):
 
 
 def main(argv=None):
-    p = C.make_parser(NAME, __doc__.split("\n")[0])
-    p.add_argument("--shapes", default="4x4096,1x32768", help="comma-separated BxT (default: %(default)s)")
-    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated from xla, cudnn, pallas")
-    p.add_argument("--layouts", default="mha,gqa,mla", help="comma-separated from mha, gqa, mla")
-    p.add_argument("--reps", type=C.positive_int, default=10, help="timed calls per case (median)")
+    p = C.make_parser(NAME, __doc__.split("\n")[0], quick_help=(
+        f"a CPU smoke run (seconds to a minute): --shapes {QUICK_SHAPES} --reps {QUICK_REPS}, each only where the "
+        f"option is left unset"))
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated BxT (default: {DEFAULT_SHAPES}; --quick: {QUICK_SHAPES})")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated from {', '.join(IMPLS)} (default: all)")
+    p.add_argument("--layouts", default="mha,gqa,mla", help="comma-separated from mha, gqa, mla (default: all)")
+    p.add_argument("--reps", type=C.positive_int, default=None,
+                   help=f"timed calls per case, the median reported (default: {DEFAULT_REPS}; --quick: {QUICK_REPS})")
     p.add_argument("--doc-len", dest="doc_len", type=C.positive_int, default=512,
                    help="mean document length of the packed cases (default: 512)")
     return C.main_for(NAME, p, run, table, argv)

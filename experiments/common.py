@@ -8,7 +8,9 @@ prints a table, writes ``<out>/<name>/<name>.json`` and ``<out>/<name>/<name>.pn
 and exposes ``run(quick=False, out="results") -> dict`` returning the same
 JSON-able record. The helpers here build the provenance header (date, git commit,
 jax version, device), the argument parser, the progress bar, the output files
-and the plain-text table.
+and the plain-text table. Two scripts differ: ``kernel_bench`` (GPU kernels) has no
+``--quick`` and its own ``main``, and ``kv_read`` writes ``DIR/kv_read.{json,png}`` only
+when given ``--out DIR``.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ def git_commit(repo: Path | str = REPO_ROOT) -> Optional[str]:
 def git_dirty(repo: Path | str = REPO_ROOT) -> Optional[bool]:
     """Whether tracked files differ from :func:`git_commit` (``git status``); None if git can't tell.
 
-    A record with ``git_dirty: true`` ran uncommitted code on top of its commit — e.g. on a
-    remote machine, whose copy of the working tree carries the git metadata of the last landed commit."""
+    A record with ``git_dirty: true`` ran uncommitted code on top of its commit — e.g. a copy of a
+    working tree with local changes, whose git metadata still names the commit they started from."""
     try:
         out = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
                              capture_output=True, text=True, timeout=30)
@@ -127,6 +129,12 @@ def timed_calls(fn: Callable, args: Sequence, reps: int, warmup: int = 0) -> lis
     return times
 
 
+def recorded_commit() -> Optional[str]:
+    """The commit a record names: :func:`git_commit`, or, in a copy of the source tree without git
+    metadata, the ``COMMIT`` environment variable (set by whoever made the copy); None if neither."""
+    return git_commit() or os.environ.get("COMMIT") or None
+
+
 def provenance(name: str, quick: bool) -> dict:
     """The header every result JSON starts with."""
     import jax
@@ -135,7 +143,7 @@ def provenance(name: str, quick: bool) -> dict:
         "experiment": name,
         "quick": bool(quick),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
+        "git_commit": recorded_commit(),
         "git_dirty": git_dirty(),
         "jax_version": jax.__version__,
         "python_version": platform.python_version(),
@@ -211,6 +219,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def floats(text: str) -> list[float]:
     """``"1e-3,3e-3"`` -> ``[0.001, 0.003]`` (an argparse type)."""
     return [float(v) for v in text.split(",")]
@@ -233,14 +252,31 @@ def _out_dir(text: str) -> str:
     return text
 
 
-def make_parser(name: str, description: str) -> argparse.ArgumentParser:
+QUICK_HELP = ("small sizes / fewer points, for a CPU (a run of seconds to a few minutes); options given "
+              "explicitly keep their values")
+
+
+def make_parser(name: str, description: str, quick_help: str = QUICK_HELP) -> argparse.ArgumentParser:
     """The common CLI: ``--quick`` and ``--out``; scripts add their own options."""
     parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=description)
-    parser.add_argument("--quick", action="store_true",
-                        help="small sizes / fewer points so the script finishes in about a minute on a CPU")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    add_out(parser, name)
+    return parser
+
+
+def add_out(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--out``, the results root (default ``results``): files go to ``<out>/<name>/``."""
     parser.add_argument("--out", default="results", type=_out_dir,
                         help=f"results root; files go to <out>/{name}/ (default: results)")
-    return parser
+
+
+def refuse_with_merge(merge, **given: bool) -> None:
+    """``--merge`` joins earlier records and measures nothing: a ``ValueError`` naming the options
+    (``given``: flag -> whether the caller set it) that it would ignore."""
+    named = [flag for flag, is_set in given.items() if is_set]
+    if merge and named:
+        raise ValueError(f"--merge joins earlier records and runs nothing, so it takes none of "
+                         f"{', '.join(given)}; got {', '.join(named)}")
 
 
 def progress(iterable: Optional[Iterable] = None, *, desc: str, total: Optional[int] = None, unit: str = "it"):
@@ -286,6 +322,14 @@ def fmt_tokens(n: int) -> str:
         if n >= scale and n % scale == 0:
             return f"{n // scale}{unit}"
     return str(n)
+
+
+def library_module(name: str, used_by: Sequence[str]) -> None:
+    """``python -m experiments.<name>`` of a module that is no script: one line on stderr naming the
+    scripts that use it, exit status 2."""
+    print(f"experiments.{name} is a library module, not a script; it is used by {', '.join(used_by)}",
+          file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main_for(name: str, parser: argparse.ArgumentParser, run: Callable[..., dict],

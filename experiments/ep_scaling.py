@@ -469,7 +469,6 @@ def run(quick: bool = False, out: str = "results", gpus: Optional[Sequence[int]]
     batches, data_source = token_batches(b, seed)
 
     record = C.provenance(NAME, quick)
-    record["git_commit"] = record["git_commit"] or os.environ.get("COMMIT")
     record.update(
         budget=dataclasses.asdict(b), data_source=data_source, activation_dtype=act, impl_requested=impl, seed=seed,
         model={"name": cfg.name, "pattern": cfg.pattern, "params_total": counts["total"],
@@ -653,7 +652,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpus", type=_ints, default=None,
                         help="comma-separated device counts (default: 1,2,4,8 up to jax.device_count())")
     parser.add_argument("--layouts", type=lambda t: [v for v in t.split(",") if v], default=None,
-                        help=f"comma-separated subset of {','.join(LAYOUTS)} (default: all)")
+                        help=f"comma-separated subset of {','.join(LAYOUTS + EXTRA_LAYOUTS)} "
+                             f"(default: {','.join(LAYOUTS)}; {','.join(EXTRA_LAYOUTS)} run only when named)")
     parser.add_argument("--experts", type=C.positive_int, default=None, help="routed experts (default 64; quick 8)")
     parser.add_argument("--top-k", type=C.positive_int, default=None, help="experts per token (default 4; quick 2)")
     parser.add_argument("--d-model", type=C.positive_int, default=None, help="model width (default 2048; quick 64)")
@@ -675,7 +675,7 @@ def main(argv=None) -> dict:
                              "form's [B,H,N,4,16,16,K] float32 sub-block scores, untested under sharded layouts)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip runs that would end past this many seconds (e.g. a job time limit)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     return C.main_for(NAME, parser, run, table, argv)
 
 

@@ -32,6 +32,8 @@ NAME = "gmm_bench"
 IMPLS = tuple(i for i in GROUPED_MATMUL_IMPLS if i != "auto")
 # tokens x top_k x experts x d_model x hidden: train_bench's MoE row at batch 4 x 4096
 DEFAULT_SHAPES = "16384x8x64x2048x624"
+DEFAULT_REPS = 10
+QUICK_SHAPES, QUICK_REPS = "64x2x4x64x48", 2  # --quick, for the options left unset
 
 
 def _parse(shapes: str) -> list[tuple[int, ...]]:
@@ -91,14 +93,17 @@ def check(impl: str, shape: tuple[int, ...]) -> dict:
     return {"y": _rel(y, y0), "dx": _rel(dx, dx0), "dw": _rel(dw, dw0)}
 
 
-def run(quick=False, out="results", shapes=DEFAULT_SHAPES, impls=",".join(IMPLS), reps=10) -> dict:
+def run(quick=False, out="results", shapes=None, impls=",".join(IMPLS), reps=None) -> dict:
+    """Time and check every impl at every shape; ``shapes`` / ``reps`` left ``None`` take the defaults
+    (with ``quick``: one tiny shape, 2 reps)."""
     impl_list = [i.strip() for i in impls.split(",") if i.strip()]
     for i in impl_list:
         if i not in IMPLS:
             raise ValueError(f"--impls: unknown impl {i!r}; choose from {IMPLS}")
-    shape_list = _parse(shapes)
-    if quick:
-        shape_list, reps = [(64, 2, 4, 64, 48)], 2
+    shape_list = _parse(shapes if shapes is not None else QUICK_SHAPES if quick else DEFAULT_SHAPES)
+    reps = reps if reps is not None else QUICK_REPS if quick else DEFAULT_REPS
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"--reps: must be a positive int, got {reps!r}")
     record = C.provenance(NAME, quick)
     record.update(shapes=shape_list, impls=impl_list, reps=reps, results=[], checks=[])
     jobs = [(s, i) for s in shape_list for i in ("dense",) + tuple(impl_list)]
@@ -164,11 +169,15 @@ def table(record):
 
 
 def main(argv=None):
-    p = C.make_parser(NAME, __doc__.split("\n")[0])
-    p.add_argument("--shapes", default=DEFAULT_SHAPES,
-                   help="comma-separated tokens x top_k x experts x d_model x hidden (default: %(default)s)")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated from {', '.join(IMPLS)}")
-    p.add_argument("--reps", type=C.positive_int, default=10, help="timed calls per case (median)")
+    p = C.make_parser(NAME, __doc__.split("\n")[0], quick_help=(
+        f"a CPU smoke run (seconds): --shapes {QUICK_SHAPES} --reps {QUICK_REPS}, each only where the option is "
+        f"left unset"))
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated tokens x top_k x experts x d_model x hidden (default: {DEFAULT_SHAPES}; "
+                        f"--quick: {QUICK_SHAPES})")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated from {', '.join(IMPLS)} (default: all)")
+    p.add_argument("--reps", type=C.positive_int, default=None,
+                   help=f"timed calls per case, the median reported (default: {DEFAULT_REPS}; --quick: {QUICK_REPS})")
     return C.main_for(NAME, p, run, table, argv)
 
 

@@ -16,7 +16,7 @@ Rules: ``kda`` (exact per-channel gate), ``kdab`` (KDA with bounded gates: ours 
 are ``-0.2·σ(z) >= -0.2`` (inside the bound).
 
 Timing, the same way on both sides: the steady state — the median over 5 rounds of ``--reps``
-(>= 20) calls enqueued back to back and synchronized once (``block_until_ready`` /
+(default 20) calls enqueued back to back and synchronized once (``block_until_ready`` /
 ``torch.cuda.synchronize``), in ms per call, so host dispatch overlaps the GPU's work as in a
 training loop (:func:`time_jax`, :func:`time_torch`). ``--parts bench`` also records each call
 synchronized alone (``ms_sync``: dispatch and synchronization latency included), and ``--parts
@@ -37,9 +37,9 @@ Mosaic GPU state passes (``kernels.delta.mosaic_gpu``) beside the Triton ones an
 the GPU time of every kernel inside one whole call, ours (``jax.profiler``, read by
 ``experiments.op_profile``) beside fla's (torch's profiler), at ``--shapes``.
 
-Usage (on the device; fla-core installed with ``--target`` from a carried wheel)::
+Usage (on a GPU host; the ``fla`` method needs torch and flash-linear-attention (fla-core) importable)::
 
-    python -m experiments.kernel_bench --out $OUT --budget_s 400     # roofline + bench
+    python -m experiments.kernel_bench --budget_s 400                # roofline + bench
     python -m experiments.kernel_bench --parts check,stages          # subsets
     python -m experiments.kernel_bench --rules gdn,kdab --pallas_chunk 64   # a subset, 64-token chunks
     python -m experiments.kernel_bench --methods pallas,fla --fla_cache fla_cache   # fla's autotuning kept
@@ -51,19 +51,20 @@ Usage (on the device; fla-core installed with ``--target`` from a carried wheel)
     python -m experiments.kernel_bench --parts ab --ab_ref OTHER/kernels/delta --ab_dtype f32   # two trees, f32 inputs
     python -m experiments.kernel_bench --parts profile --shapes 2,8192 --methods pallas --profile_dtype f32   # f32
 
-Writes ``kernel_bench.json`` and ``kernel_bench.png`` under ``--out``.
+Writes ``<out>/kernel_bench/kernel_bench.json`` (``--out``, default ``results``; the same record as
+``kernel_bench.partial.json`` after each part, so a run cut short keeps what it measured) and
+``kernel_bench.png``, a figure of what the parts timed: the bench's ms per call, the ``ab`` ratios,
+the ``profile``'s GPU time per call and the ``stages``' per-kernel times. There is no ``--quick``:
+the parts time GPU kernels (the tests run them on the CPU at tiny sizes).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import time
 import traceback
 
@@ -78,6 +79,8 @@ from experiments import common as C  # noqa: E402
 SHAPES = ((2, 8192), (8, 2048), (1, 32768))
 H, D, CHUNK = 16, 128, 64
 RULES = ("kda", "kdab", "delta", "gdn")
+METHODS = ("pallas", "xla", "fla", "cudnn")
+NAME = "kernel_bench"
 PARTS = ("roofline", "check", "bench", "stages", "mosaic", "ab", "profile")
 AB_ROUNDS = 5  # --parts ab: alternating rounds of A and B
 GATE_BOUND = -5.0  # kdab: K3's bounded gate
@@ -740,36 +743,82 @@ def summarize(results):
     return results["table"]
 
 
-def plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001
-        return
-    rows = [r for r in results.get("bench", []) if r["ms"]]
-    if not rows:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, mode in zip(axes, ("fwd", "fwdbwd")):
-        labels, series = [], {}
-        shapes = sorted({(r["B"], r["T"]) for r in rows}, key=lambda s: s[1])
-        keys = sorted({(r["rule"], r["method"]) for r in rows if r["mode"] == mode})
-        for key in keys:
-            series[key] = [next((r["ms"] for r in rows if (r["B"], r["T"], r["rule"], r["method"], r["mode"])
-                                 == (B, T, key[0], key[1], mode)), np.nan) for (B, T) in shapes]
-        w = 0.8 / max(len(keys), 1)
-        for i, key in enumerate(keys):
-            ax.bar(np.arange(len(shapes)) + i * w, series[key], w, label=f"{key[1]} {key[0]}")
-        ax.set_xticks(np.arange(len(shapes)) + 0.4 - w / 2)
-        ax.set_xticklabels([f"B={B}, T={T}" for B, T in shapes])
-        ax.set_yscale("log")
-        ax.set_ylabel("ms (median)")
-        ax.set_title(f"{mode}, H={H}, D={D}, bf16")
-        ax.legend(fontsize=6, ncol=2)
-        del labels
+def plot(results):
+    """A figure of what the parts timed: per mode the bench's ms per call (log scale), the ``ab`` rows'
+    B / A (median and range of the rounds), the ``profile``'s GPU time per call and the ``stages``'
+    per-kernel times; a note where no part timed anything."""
+    import matplotlib.pyplot as plt
+
+    bench = [r for r in results.get("bench", []) if r["ms"]]
+    ab = results.get("ab", [])
+    prof = {k: r for k, r in results.get("profile", {}).items() if "busy_ms_per_call" in r}
+    stages = {f"{key} {name}": r for key, part in results.items() if key.startswith("stages") and isinstance(part, dict)
+              for name, r in part.items() if "error" not in r}
+    panels = [(n, h) for n, h, on in (("ab", 0.3 * len(ab) + 1.2, ab), ("profile", 0.3 * len(prof) + 1.2, prof),
+                                       ("stages", 0.3 * len(stages) + 1.5, stages)) if on]
+    heights = ([4.5] if bench else []) + [h for _, h in panels]
+    if not heights:
+        fig, ax = plt.subplots(figsize=(7, 1.5))
+        ax.axis("off")
+        roof = results.get("roofline")
+        ax.text(0.5, 0.5, f"nothing timed to plot (parts: {results.get('parts')})"
+                + (f"\nroofline: {roof}" if roof else ""), ha="center", va="center", fontsize=8, wrap=True)
+        return fig
+    fig = plt.figure(figsize=(13, sum(heights) + 0.5))
+    grid = fig.add_gridspec(len(heights), 2, height_ratios=heights)
+    row = 0
+    if bench:
+        shapes = sorted({(r["B"], r["T"]) for r in bench}, key=lambda s: s[1])
+        for col, mode in enumerate(("fwd", "fwdbwd")):
+            ax = fig.add_subplot(grid[0, col])
+            keys = sorted({(r["rule"], r["method"]) for r in bench if r["mode"] == mode})
+            w = 0.8 / max(len(keys), 1)
+            for i, key in enumerate(keys):
+                ms = [next((r["ms"] for r in bench if (r["B"], r["T"], r["rule"], r["method"], r["mode"])
+                            == (B, T, key[0], key[1], mode)), np.nan) for (B, T) in shapes]
+                ax.bar(np.arange(len(shapes)) + i * w, ms, w, label=f"{key[1]} {key[0]}")
+            ax.set_xticks(np.arange(len(shapes)) + 0.4 - w / 2)
+            ax.set_xticklabels([f"B={B}, T={T}" for B, T in shapes])
+            ax.set_yscale("log")
+            ax.set_ylabel("ms (median)")
+            ax.set_title(f"bench {mode}, H={H}, D={D}, bf16")
+            ax.legend(fontsize=6, ncol=2)
+        row = 1
+    for name, _ in panels:
+        ax = fig.add_subplot(grid[row, :])
+        row += 1
+        if name == "ab":
+            labels = [f"({r['B']}, {r['T']}) {r['rule']} {r['mode']}" for r in ab]
+            mid = [r["b_over_a"] for r in ab]
+            err = [[m - r["b_over_a_range"][0] for m, r in zip(mid, ab)],
+                   [r["b_over_a_range"][1] - m for m, r in zip(mid, ab)]]
+            ax.barh(range(len(ab)), mid, xerr=err, color="C2")
+            ax.axvline(1.0, color="k", lw=0.8)
+            ax.set_xlabel("B / A time (median of the paired rounds; bars: their range); below 1: B is faster")
+            ref = " (A: --ab_ref)" if results.get("ab_ref") else ""
+            ax.set_title(f"ab: B = A with {results.get('ab_knobs')}{ref}")
+        elif name == "profile":
+            labels = list(prof)
+            ax.barh(range(len(labels)), [prof[k]["busy_ms_per_call"] for k in labels],
+                    color=["C1" if k.endswith(" fla") else "C0" for k in labels])
+            ax.set_xlabel("GPU time per call, ms (sum of its kernels)")
+            ax.set_title("profile: one whole call per (shape, rule, mode, method)")
+        else:
+            labels = list(stages)
+            kernels = list(dict.fromkeys(k for r in stages.values() for k in r))
+            w = 0.8 / len(kernels)
+            for i, k in enumerate(kernels):
+                ax.barh(np.arange(len(labels)) + i * w, [stages[s].get(k, np.nan) for s in labels], w, label=k)
+            ax.set_xlabel("ms per call of each kernel, timed alone")
+            ax.set_title("stages: the Pallas kernels one by one")
+            ax.legend(fontsize=6, ncol=4)
+            ax.set_yticks(np.arange(len(labels)) + 0.4 - w / 2, labels, fontsize=7)
+            ax.invert_yaxis()
+            continue
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def parse_tuning(ap, flag, text) -> dict:
@@ -811,21 +860,53 @@ def parse_tuning(ap, flag, text) -> dict:
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
-    ap.add_argument("--parts", default="roofline,bench", help="comma-separated subset of " + ",".join(PARTS))
-    ap.add_argument("--shapes", default=";".join(f"{b},{t}" for b, t in SHAPES))
-    ap.add_argument("--methods", default="pallas,xla,fla,cudnn")
-    ap.add_argument("--reps", type=int, default=20)
+def parse_shapes(ap, flag, text) -> list:
+    """``"B,T;B,T"`` -> ``[(B, T), ...]`` (positive integers; ``ap.error`` naming ``flag`` otherwise)."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        parts = [p.strip() for p in item.split(",")]
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            ap.error(f"{flag}: {item!r} is not B,T (two positive integers joined by ','; shapes joined by ';')")
+        out.append((int(parts[0]), int(parts[1])))
+    if not out:
+        ap.error(f"{flag}: no shape given")
+    return out
+
+
+def parse_names(ap, flag, text, valid) -> tuple:
+    """Comma-separated names, each one of ``valid`` (``ap.error`` naming ``flag`` otherwise)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for n in names:
+        if n not in valid:
+            ap.error(f"{flag}: unknown {flag.strip('-').rstrip('s')} {n!r} (choose from {', '.join(valid)})")
+    if not names:
+        ap.error(f"{flag}: give at least one of {', '.join(valid)}")
+    return names
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog=f"python -m experiments.{NAME}", description=__doc__.split("\n")[0])
+    C.add_out(ap, NAME)
+    ap.add_argument("--parts", default="roofline,bench",
+                    help="comma-separated subset of " + ",".join(PARTS) + " (default: %(default)s)")
+    ap.add_argument("--shapes", default=";".join(f"{b},{t}" for b, t in SHAPES), metavar="B,T[;B,T...]",
+                    help="the (batch, tokens) shapes of bench, mosaic, profile and ab, ';'-separated; bench times "
+                         "the first before the other parts (default: %(default)s)")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated subset of " + ",".join(METHODS) + " (bench; profile reads pallas and fla) "
+                         "(default: %(default)s)")
+    ap.add_argument("--reps", type=C.positive_int, default=20,
+                    help="calls per timing round (bench, mosaic, ab; the roofline runs 10) (default: %(default)s)")
     ap.add_argument("--budget_s", type=float, default=1e9, help="start no new part/shape after this many seconds")
     ap.add_argument("--fla_cache", default=None, metavar="DIR",
                     help="Triton cache directory for fla's kernels and its autotuning results (kept on disk): a "
                          "later call with the same DIR skips fla's autotuning (default: Triton's own cache, "
                          "autotuning results kept in memory only)")
     ap.add_argument("--rules", default=",".join(RULES), help="comma-separated subset of " + ",".join(RULES))
-    ap.add_argument("--pallas_chunk", type=int, default=None, help="Pallas chunk size (default: the kernels' own)")
-    ap.add_argument("--stages_shapes", default="2,8192", help="--parts stages: the (B,T) shapes, ';'-separated")
+    ap.add_argument("--pallas_chunk", type=C.positive_int, default=None,
+                    help="Pallas chunk size (default: the kernels' own)")
+    ap.add_argument("--stages_shapes", default="2,8192", metavar="B,T[;B,T...]",
+                    help="--parts stages: the (B,T) shapes, ';'-separated (default: %(default)s)")
     ap.add_argument("--ab", default="", metavar="KNOBS",
                     help="--parts ab: the launch knobs B changes against --pallas_tuning (A), e.g. fuse_output=0")
     ap.add_argument("--ab_ref", default=None, metavar="DIR",
@@ -843,10 +924,12 @@ def main(argv=None):
                     help="launch knobs of the Pallas kernels, e.g. bv=32,num_warps=8,num_warps_state=8,anchored_bwd=scores,"
                          "fuse_output=0,state_bwd=triton,inverse=loop,state_split=8 (or auto),grid_order=nbh")
     args = ap.parse_args(argv)
-    rules = tuple(args.rules.split(","))
-    for r in rules:
-        if r not in RULES:
-            ap.error(f"--rules: unknown rule {r!r}")
+    # Every option is checked here, before anything is created or run.
+    parts = parse_names(ap, "--parts", args.parts, PARTS)
+    rules = parse_names(ap, "--rules", args.rules, RULES)
+    methods = parse_names(ap, "--methods", args.methods, METHODS)
+    shapes = parse_shapes(ap, "--shapes", args.shapes)
+    stages_shapes = parse_shapes(ap, "--stages_shapes", args.stages_shapes)
     pc = args.pallas_chunk
     PALLAS_TUNING.update(parse_tuning(ap, "--pallas_tuning", args.pallas_tuning))
     knobs_b = parse_tuning(ap, "--ab", args.ab)
@@ -854,7 +937,7 @@ def main(argv=None):
     for m in ab_modes:
         if m not in AB_MODES:
             ap.error(f"--ab_modes: unknown mode {m!r} (one of {', '.join(AB_MODES)})")
-    if "ab" in args.parts.split(",") and not knobs_b and not args.ab_ref:
+    if "ab" in parts and not knobs_b and not args.ab_ref:
         ap.error("--parts ab needs --ab knob=value[,knob=value] (the B side's changed launch knobs) or --ab_ref DIR")
     if not (args.ab_gate_scale > 0 and math.isfinite(args.ab_gate_scale)):
         ap.error(f"--ab_gate_scale must be > 0 and finite, got {args.ab_gate_scale}")
@@ -867,83 +950,112 @@ def main(argv=None):
     if args.fla_cache:
         use_fla_cache(args.fla_cache)
     t_start = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    parts = args.parts.split(",")
-    for part in parts:
-        if part not in PARTS:
-            ap.error(f"--parts: unknown part {part!r} (choose from {', '.join(PARTS)})")
-    commit = os.environ.get("COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        except Exception:  # noqa: BLE001
-            commit = ""
-    results = {"date": datetime.date.today().isoformat(), "commit": commit,
-               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "H": H, "D": D,
-               "chunk": CHUNK, "pallas_chunk": pc, "pallas_tuning": dict(PALLAS_TUNING), "ab_knobs": knobs_b,
-               "ab_ref": args.ab_ref, "rules": rules, "reps": args.reps, "profile_dtype": args.profile_dtype}
-    path = os.path.join(args.out, "kernel_bench.json")
+    results = dict(C.provenance(NAME, False), parts=parts, H=H, D=D, chunk=CHUNK, pallas_chunk=pc,
+                   pallas_tuning=dict(PALLAS_TUNING), ab_knobs=knobs_b, ab_ref=args.ab_ref, rules=rules,
+                   methods=methods, shapes=shapes, reps=args.reps, profile_dtype=args.profile_dtype)
 
     def save():
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        C.save_partial(_plain(results), NAME, args.out)
 
-    log("device", results["device"], "jax", jax.__version__)
-    if "roofline" in parts:
-        results["roofline"] = measure_roofline()
-        log("roofline", results["roofline"])
-        save()
-    pallas_ok = True
-    t0 = time.time()
-    if "check" in parts:
-        pallas_ok = part_check(results, rules, pc)
-        log("check took", round(time.time() - t0, 1), "s")
-        log("check passed:", pallas_ok)
-        save()
-    shapes = [tuple(int(t) for t in s.split(",")) for s in args.shapes.split(";")]
+    log("device", results["device"]["description"], "jax", jax.__version__)
     over = lambda: time.time() - t_start > args.budget_s  # noqa: E731
-    methods = args.methods.split(",")
     ours = [m for m in methods if m != "fla"]
-    reps = max(args.reps, 20)
-    if "bench" in parts and shapes and not over():
-        part_bench(results, shapes[:1], reps, ours, pallas_ok, over, rules, pc)
-        save()
-    if "stages" in parts and not over():
-        for i, shape in enumerate(args.stages_shapes.split(";")):  # the first under "stages", then "stages_B_T"
-            b, t = (int(u) for u in shape.split(","))
-            part_stages(results, b, t, rules=rules, chunk_size=pc, key="stages" if i == 0 else f"stages_{b}_{t}")
+    reps = args.reps
+    units = (("roofline" in parts) + ("check" in parts) + ("mosaic" in parts) + ("profile" in parts)
+             + ("ab" in parts) + ("stages" in parts) * len(stages_shapes)
+             + ("bench" in parts) * len(shapes) * (1 + ("fla" in methods)))
+    with C.progress(total=units, desc=NAME, unit="part") as bar:
+        def step(label):
+            bar.set_postfix_str(label)
+
+        def done(ran=True):
+            if ran:
+                bar.update(1)
+            else:  # skipped (--budget_s): not counted as done
+                bar.total -= 1
+                bar.refresh()
+
+        if "roofline" in parts:
+            step("roofline")
+            results["roofline"] = measure_roofline()
+            log("roofline", results["roofline"])
             save()
-    if "mosaic" in parts and not over():
-        part_mosaic(results, shapes, reps)
-        save()
-    if "profile" in parts:
-        part_profile(results, shapes, rules, methods, pc, over, dtype=args.profile_dtype)
-        save()
-    if "ab" in parts:
-        part_ab(results, shapes, max(args.reps, 10), knobs_b, rules, pc, over, ab_modes, ref=ref,
-                gate_scale=args.ab_gate_scale, dtype=args.ab_dtype)
-        results["ab_table"] = ab_table(results)
-        log(results["ab_table"])
-        save()
-    if "bench" in parts:
-        for shape in shapes[1:]:
-            if over():
-                log("budget reached: skipping", shape)
-                continue
-            part_bench(results, [shape], reps, ours, pallas_ok, over, rules, pc)
+            done()
+        pallas_ok = True
+        t0 = time.time()
+        if "check" in parts:
+            step("check")
+            pallas_ok = part_check(results, rules, pc)
+            log("check took", round(time.time() - t0, 1), "s")
+            log("check passed:", pallas_ok)
             save()
-        if "fla" in methods:  # last: its autotuning compiles many configs
-            for shape in shapes:
-                if over():
-                    log("budget reached: skipping fla", shape)
-                    continue
-                part_bench(results, [shape], reps, ["fla"], pallas_ok, over, rules)
+            done()
+        if "bench" in parts:
+            step(f"bench {shapes[0]}")
+            ran = not over()
+            if ran:
+                part_bench(results, shapes[:1], reps, ours, pallas_ok, over, rules, pc)
                 save()
-        log(summarize(results))
-        save()
-        plot(results, os.path.join(args.out, "kernel_bench.png"))
-    save()
+            done(ran)
+        if "stages" in parts:
+            for i, (b, t) in enumerate(stages_shapes):  # the first under "stages", then "stages_B_T"
+                step(f"stages {(b, t)}")
+                ran = not over()
+                if ran:
+                    part_stages(results, b, t, rules=rules, chunk_size=pc,
+                                key="stages" if i == 0 else f"stages_{b}_{t}")
+                    save()
+                done(ran)
+        if "mosaic" in parts:
+            step("mosaic")
+            ran = not over()
+            if ran:
+                part_mosaic(results, shapes, reps)
+                save()
+            done(ran)
+        if "profile" in parts:
+            step("profile")
+            part_profile(results, shapes, rules, methods, pc, over, dtype=args.profile_dtype)
+            save()
+            done()
+        if "ab" in parts:
+            step("ab")
+            part_ab(results, shapes, reps, knobs_b, rules, pc, over, ab_modes, ref=ref,
+                    gate_scale=args.ab_gate_scale, dtype=args.ab_dtype)
+            results["ab_table"] = ab_table(results)
+            log(results["ab_table"])
+            save()
+            done()
+        if "bench" in parts:
+            for shape in shapes[1:]:
+                step(f"bench {shape}")
+                if over():
+                    log("budget reached: skipping", shape)
+                    done(False)
+                    continue
+                part_bench(results, [shape], reps, ours, pallas_ok, over, rules, pc)
+                save()
+                done()
+            if "fla" in methods:  # last: its autotuning compiles many configs
+                for shape in shapes:
+                    step(f"bench fla {shape}")
+                    if over():
+                        log("budget reached: skipping fla", shape)
+                        done(False)
+                        continue
+                    part_bench(results, [shape], reps, ["fla"], pallas_ok, over, rules)
+                    save()
+                    done()
+            log(summarize(results))
+    record = C.finish(_plain(results), NAME, args.out, plot(results))
+    log(f"wrote {record['files']['json']} and {record['files']['png']}")
+    return record
+
+
+def _plain(results: dict) -> dict:
+    """``results`` as plain JSON values (anything else as its ``str``)."""
+    return json.loads(json.dumps(C.to_jsonable(results), default=str))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,8 +1,8 @@
 """How fast does one decode step read a KV cache? The ways to read the same cache, timed.
 
-    python -m experiments.kv_read [--context 1048576] [--heads 16] [--head-dim 128]
+    python -m experiments.kv_read [--quick] [--context 1048576] [--heads 16] [--head-dim 128]
         [--kv-heads H] [--batch 1] [--dtype bfloat16] [--steps 20] [--mla-rank 512] [--mla-rope 64]
-        [--out DIR]    # DIR/kv_read.json
+        [--out DIR]    # also DIR/kv_read.json and DIR/kv_read.png
 
 A microbenchmark of one layer: ``experiments.decode_scaling`` found MHA's decode
 step at 1M tokens reading its cache at ~7% of the H200's bandwidth (docs/results.md,
@@ -26,9 +26,14 @@ heads_major / reduce): 19.35 / 12.23 / 2.40 ms, i.e. 444 / 702 / 3576 GB/s; the 
 held a temporary as large as the cache (XLA:GPU copied K and V every step), the reduce form
 0.01x; MLA's read: mla_dot 0.94 ms (1292 GB/s), mla_reduce 9.1 ms (132 GB/s). That is why
 ``read="auto"`` means ``"reduce"`` on GPUs only when each cached element meets one query
-(``memory.resolve_read``); ``--kv-heads`` measures the grouped-query reads in between. On the 2-core CPU
+(``memory.resolve_read``); ``--kv-heads`` measures the grouped-query reads in between. On a 2-core CPU
 (``--context 65536 --heads 4 --head-dim 64 --steps 5``): float32 dot 51 ms, heads_major 116,
-reduce 469 — the reverse, hence ``"dot"`` on CPUs.
+reduce 469 — the reverse, hence ``"dot"`` on CPUs. ``--quick`` runs those sizes (float32; MLA 128 +
+32) for the options left unset: under a minute on 2 CPU cores.
+
+Unlike the other experiments, nothing is written unless ``--out DIR`` is given; then the record
+(provenance, arguments, rows) goes to ``DIR/kv_read.json`` and a bar chart of the read rates to
+``DIR/kv_read.png``.
 """
 
 from __future__ import annotations
@@ -43,7 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common as C
 from lineage_jax import memory
+
+NAME = "kv_read"
 
 
 def _dot(q, k_t, v_t, cache):
@@ -126,9 +134,9 @@ def run(context: int, heads: int, head_dim: int, batch: int, dtype: str, steps: 
               jax.random.normal(k5, (batch, 1, mla_rank + mla_rope), jnp.float32), mha_in[2])
     out = []
     refs = {}
-    for name, fn in FORMS.items():
-        if name == "heads_major" and kv_heads != heads:
-            continue  # written for one key/value head per query head
+    forms = [f for f in FORMS if f != "heads_major" or kv_heads == heads]  # heads_major: one kv head per query head
+    for name in C.progress(forms, desc=NAME, unit="form"):
+        fn = FORMS[name]
         family = "mla" if name.startswith("mla") else "mha"
         args = mla_in if family == "mla" else mha_in
         cache = _cache(name, batch, context, kv_heads, head_dim, dt, writes=3 + steps, mla=(mla_rank, mla_rope))
@@ -155,21 +163,66 @@ def run(context: int, heads: int, head_dim: int, batch: int, dtype: str, steps: 
     return out
 
 
+# The sizes of a run and of a ``--quick`` one (the options left unset take these).
+DEFAULTS = dict(context=1 << 20, heads=16, head_dim=128, dtype="bfloat16", steps=20, mla_rank=512, mla_rope=64)
+QUICK = dict(context=65536, heads=4, head_dim=64, dtype="float32", steps=5, mla_rank=128, mla_rope=32)
+
+
+def plot(record: dict):
+    """A bar chart of each form's read rate (GB/s), one colour per family."""
+    import matplotlib.pyplot as plt
+
+    rows = record["rows"]
+    fig, ax = plt.subplots(figsize=(7, 0.45 * max(1, len(rows)) + 1.5))
+    ax.barh(range(len(rows)), [r["read_gb_per_s"] for r in rows],
+            color=["C1" if r["form"].startswith("mla") else "C0" for r in rows])
+    ax.set_yticks(range(len(rows)), [f"{r['form']} ({r['ms_per_step']:.3g} ms)" for r in rows])
+    ax.invert_yaxis()
+    a = record["args"]
+    ax.set_xlabel("cache read rate, GB/s (bytes a step must read / median step time)")
+    ax.set_title(f"KV read, one layer: B={a['batch']}, L={a['context']}, H={a['heads']}, "
+                 f"Hkv={a['kv_heads'] or a['heads']}, D={a['head_dim']}, {a['dtype']} "
+                 f"({record['device']['description']})", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--context", type=int, default=1 << 20)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads; fewer = GQA, "
-                                                                "each cached head read by heads/kv_heads queries)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--mla-rank", type=int, default=512, help="MLA latent width C (the mla_* rows)")
-    p.add_argument("--mla-rope", type=int, default=64, help="MLA rope key width R (the mla_* rows)")
-    p.add_argument("--out", default=None, help="also write the rows to OUT/kv_read.json (launch/device_jobs.sh "
-                                                "passes --out $RESULTS)")
+    p = argparse.ArgumentParser(prog=f"python -m experiments.{NAME}", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="CPU sizes for the options left unset: " + " ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+                        + " (under a minute on 2 CPU cores); options given explicitly keep their values")
+    p.add_argument("--context", type=C.positive_int, default=None,
+                   help=f"cache length L in tokens (default: {DEFAULTS['context']}; --quick: {QUICK['context']})")
+    p.add_argument("--heads", type=C.positive_int, default=None,
+                   help=f"query heads H (default: {DEFAULTS['heads']}; --quick: {QUICK['heads']})")
+    p.add_argument("--head-dim", type=C.positive_int, default=None,
+                   help=f"head width D (default: {DEFAULTS['head_dim']}; --quick: {QUICK['head_dim']})")
+    p.add_argument("--kv-heads", type=C.positive_int, default=None,
+                   help="key/value heads (default: --heads; fewer = GQA, each cached head read by heads/kv_heads "
+                        "queries)")
+    p.add_argument("--batch", type=C.positive_int, default=1, help="batch B (default: %(default)s)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help=f"cache dtype (default: {DEFAULTS['dtype']}; --quick: {QUICK['dtype']})")
+    p.add_argument("--steps", type=C.positive_int, default=None,
+                   help=f"timed decode steps per form, after 3 warm-up steps (default: {DEFAULTS['steps']}; "
+                        f"--quick: {QUICK['steps']})")
+    p.add_argument("--mla-rank", type=C.positive_int, default=None,
+                   help=f"MLA latent width C (the mla_* rows; default: {DEFAULTS['mla_rank']}; "
+                        f"--quick: {QUICK['mla_rank']})")
+    p.add_argument("--mla-rope", type=C.positive_int, default=None,
+                   help=f"MLA rope key width R (the mla_* rows; default: {DEFAULTS['mla_rope']}; "
+                        f"--quick: {QUICK['mla_rope']})")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="also write the record to DIR/kv_read.json and the chart to DIR/kv_read.png "
+                        "(default: write nothing)")
     a = p.parse_args(argv)
+    for key, value in (QUICK if a.quick else DEFAULTS).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.out is not None and os.path.exists(a.out) and not os.path.isdir(a.out):
+        p.error(f"--out: {a.out!r} exists and is not a directory")
     try:
         rows = run(a.context, a.heads, a.head_dim, a.batch, a.dtype, a.steps, a.mla_rank, a.mla_rope, a.kv_heads)
     except ValueError as err:
@@ -182,10 +235,18 @@ def main(argv=None) -> list[dict]:
         print(f"{r['form']:12s} {r['ms_per_step']:9.3f} {r['read_gb_per_s']:10.0f} {temp:>11s} "
               f"{r['max_abs_diff_vs_dot']:10.2e}")
     if a.out:
+        import matplotlib.pyplot as plt
+
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "kv_read.json"), "w") as f:
-            json.dump({"args": vars(a), "device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, f,
-                      indent=1)
+        record = dict(C.provenance(NAME, a.quick), args=vars(a), rows=rows)
+        js, png = os.path.join(a.out, f"{NAME}.json"), os.path.join(a.out, f"{NAME}.png")
+        fig = plot(record)
+        fig.savefig(png, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        record["files"] = {"json": js, "png": png}
+        with open(js, "w") as f:
+            json.dump(C.to_jsonable(record), f, indent=1)
+        print(f"\nwrote {js} and {png}")
     return rows
 
 

@@ -162,6 +162,10 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     ``merge``: instead of training, combine the runs of earlier calls (their ``--out`` roots or
     ``mqar.json`` paths; e.g. one call per ``--lengths``) into one record, table and plot.
     """
+    C.refuse_with_merge(merge, **{"--quick": quick, "--seed": seed != 0, "--steps": steps is not None,
+                                  "--archs": archs is not None, "--widths": widths is not None,
+                                  "--lengths": lengths is not None, "--lrs": lrs is not None,
+                                  "--compile-workers": compile_workers is not None})
     if merge:
         return merged(merge, out)
     b = make_budget(quick, archs, lengths, widths, lrs, steps)
@@ -290,11 +294,14 @@ def table(record: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = C.make_parser(NAME, __doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser = C.make_parser(NAME, __doc__.splitlines()[0], quick_help=(
+        "the CPU budget: GPT-2 and DeltaNet, (L, N) = (64, 4), d 64, 150 steps; 2-3 minutes on 2 CPU cores "
+        "(a smoke run, not a result); options given explicitly keep their values"))
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--steps", type=C.positive_int, default=None, help="training steps per run")
     parser.add_argument("--archs", type=lambda t: t.split(","), default=None,
-                        help=f"comma-separated subset of: {','.join(KEYS)}")
+                        help=f"comma-separated subset of: {','.join(KEYS)}; "
+                             f"diagnostic rows (run only when named): {','.join(A.EXTRA_KEYS)}")
     parser.add_argument("--widths", type=lambda t: [int(v) for v in t.split(",")], default=None,
                         help="comma-separated d_model values (default 64,128,256)")
     parser.add_argument("--lengths", type=lambda t: t.split(","), default=None,

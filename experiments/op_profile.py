@@ -112,3 +112,10 @@ def table(summary: dict, title: str = "") -> str:
     lines += [f"    {t['ms_per_call']:8.3f} ms {100 * t['share']:5.1f}% x{t['launches_per_call']:g}  [{t['kind']}] {t['name'][:90]}"
               for t in summary["top"][:8]]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from experiments import common
+
+    common.library_module("op_profile", ["python -m experiments.train_bench --profile N",
+                                         "python -m experiments.kernel_bench --parts profile"])

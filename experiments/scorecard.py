@@ -104,7 +104,7 @@ class Budget:
 
 
 # The CPU budget (``--quick``): two layers at d 64, six facts per probe, 800 steps at lr 6e-3.
-# Measured on this 2-core CPU (2026-12-01): linear attention 0.07 recall / 0.15 overwrite,
+# Measured on a 2-core CPU (2026-12-01): linear attention 0.07 recall / 0.15 overwrite,
 # DeltaNet 0.99 / 1.00, Gated DeltaNet 0.97 / 0.99, KDA 0.98 / 0.99, both hybrids 0.98 / 0.99;
 # GPT-2 and MLA (softmax attention) stay at 0.07-0.22 — softmax learns these probes only with a
 # longer budget (the default one), so the quick card reports no verdict for them.
@@ -189,6 +189,9 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
     if decode_only and (merge or steps is not None or eval_sequences is not None):
         raise ValueError(f"decode_only: trains nothing, so it takes neither `merge`, `steps` nor `eval_sequences` "
                          f"(got merge={merge!r}, steps={steps!r}, eval_sequences={eval_sequences!r})")
+    C.refuse_with_merge(merge, **{"--quick": quick, "--seed": seed != 0, "--steps": steps is not None,
+                                  "--only": only is not None, "--compile-workers": compile_workers is not None,
+                                  "--budget": budget != "pressure", "--eval-sequences": eval_sequences is not None})
     if merge:
         return merged(merge, out)
     if budget not in BUDGETS:
@@ -446,7 +449,7 @@ def main(argv=None) -> dict:
     parser._option_string_actions["--quick"].help = (
         "the CPU budget: two layers, six facts per probe, 800 steps; about 7 minutes on 2 idle CPU cores "
         "(linear attention fails recall/overwrite, the delta rules solve them; softmax rows are not taught)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--steps", type=C.positive_int, default=None, help="override the training steps")
     parser.add_argument("--eval-sequences", type=C.positive_int, default=None,
                         help="override the held-out rows per probe (and the validation rows), e.g. for a smoke run")

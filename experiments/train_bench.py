@@ -41,11 +41,15 @@ Usage::
     python -m experiments.train_bench                               # every row, 4x4096 and 1x32768
     python -m experiments.train_bench --rows reference,softmax --shapes 8x4096 --remat dots
     python -m experiments.train_bench --quick                       # tiny sizes: a CPU smoke run
+
+``--quick`` trains a tiny model (:data:`QUICK`); it also sets ``--shapes 2x64 --steps 4 --warmup 1
+--window 2``, each only where the option is left unset.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import statistics
 import time
@@ -61,7 +65,8 @@ from experiments import common as C
 from experiments import op_profile
 from lineage_jax import accounting
 from lineage_jax.models import ModelConfig
-from lineage_jax.models.config import REMAT_POLICIES
+from lineage_jax.memory.options import BACKENDS as MEMORY_BACKENDS
+from lineage_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from lineage_jax.train.config import TrainConfig, apply_overrides
 from lineage_jax.train.loop import peak_flops
 from lineage_jax.train.step import init_state, jit_steps
@@ -73,6 +78,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 NAME = "train_bench"
 ROWS = ("reference", "softmax", "hybrid", "mla", "kda", "gdn", "moe")
 DEFAULT_SHAPES = "4x4096,1x32768"
+# The timing options' values, and those of --quick; an option the caller sets keeps its value.
+DEFAULTS = dict(shapes=DEFAULT_SHAPES, steps=20, warmup=3, window=5)
+QUICK_RUN = dict(shapes="2x64", steps=4, warmup=1, window=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +122,25 @@ def model_config(row: str, size: Size, remat: str, attention_impl: str = "auto",
                   first_dense_layers=1)
     cfg = ModelConfig(**kw)
     if overrides:
+        check_overrides(overrides)
         _, cfg = apply_overrides(TrainConfig(), cfg, [f"model.{o}" for o in overrides])
     return cfg
+
+
+def check_overrides(overrides) -> None:
+    """Each ``--set`` item is ``field=value`` with ``field`` a ``ModelConfig`` field (the only kind
+    train_bench takes: the training settings are its own); a ``ValueError`` naming ``--set`` otherwise."""
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--set: expected FIELD=VALUE, got {item!r}")
+        if key not in fields:
+            near = difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+            raise ValueError(f"--set: unknown key {key!r}: train_bench's --set takes ModelConfig fields only "
+                             f"(lineage_jax/models/config.py){hint}")
 
 
 # ---------------------------------------------------------------------------- the plain-JAX reference
@@ -282,22 +307,47 @@ def _isolated(row, B, T, remat, *, steps, warmup, window, attention_impl, memory
                     "error": f"subprocess exited {proc.returncode}: {tail[0][:300]}"}
 
 
-def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), shapes: str = DEFAULT_SHAPES,
-        remat: str = "dots", steps: int = 20, warmup: int = 3, window: int = 5, attention_impl: str = "auto",
-        memory_backend: str = "auto", overrides: Optional[list] = None, isolate: bool = False,
-        profile: int = 0, merge: Optional[list] = None) -> dict:
-    """Time every row of ``rows`` at every shape of ``shapes`` (module docstring). ``merge``: instead,
-    join the records of earlier calls (their ``--out`` roots or ``train_bench.json`` paths; the same
-    model size) into one record, table and figure."""
+def run(quick: bool = False, out: str = "results", rows: Optional[str] = None, shapes: Optional[str] = None,
+        remat: Optional[str] = None, steps: Optional[int] = None, warmup: Optional[int] = None,
+        window: Optional[int] = None, attention_impl: str = "auto", memory_backend: str = "auto",
+        overrides: Optional[list] = None, isolate: bool = False, profile: int = 0,
+        merge: Optional[list] = None) -> dict:
+    """Time every row of ``rows`` (default: all) at every shape of ``shapes`` (module docstring).
+    ``shapes``, ``steps``, ``warmup`` and ``window`` left ``None`` take :data:`DEFAULTS`, or with
+    ``quick`` :data:`QUICK_RUN`. ``merge``: instead, join the records of earlier calls (their
+    ``--out`` roots or ``train_bench.json`` paths; the same model size) into one record, table and
+    figure."""
+    C.refuse_with_merge(merge, **{
+        "--quick": quick, "--rows": rows is not None, "--shapes": shapes is not None, "--remat": remat is not None,
+        "--steps": steps is not None, "--warmup": warmup is not None, "--window": window is not None,
+        "--attention-impl": attention_impl != "auto", "--memory-backend": memory_backend != "auto",
+        "--set": bool(overrides), "--isolate": bool(isolate), "--profile": bool(profile)})
     if merge:
         return merged(merge, out)
-    overrides = tuple(overrides or ())
-    for o in overrides:  # checked before anything runs
-        model_config("hybrid", QUICK, "none", overrides=(o,))
+    given = dict(shapes=shapes, steps=steps, warmup=warmup, window=window)
+    shapes, steps, warmup, window = (v if v is not None else (QUICK_RUN if quick else DEFAULTS)[k]
+                                     for k, v in given.items())
+    rows = ",".join(ROWS) if rows is None else rows
+    remat = "dots" if remat is None else remat
     names = [r.strip() for r in rows.split(",") if r.strip()]
     bad = sorted(set(names) - set(ROWS))
     if bad or not names:
         raise ValueError(f"--rows: unknown row(s) {bad}; choose from {', '.join(ROWS)}")
+    size = QUICK if quick else Size()
+    # checked before anything runs: the flags' values as the library rows' configs take them
+    for flag, kw in (("--attention-impl", dict(attention_impl=attention_impl)),
+                     ("--memory-backend", dict(memory_backend=memory_backend))):
+        try:
+            model_config("hybrid", QUICK, "none", **kw)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+    overrides = tuple(overrides or ())
+    for o in overrides:
+        for row in names:  # every row asked for: a field may be checked only where it is used (MoE's by moe)
+            try:
+                model_config(row, size, "none", overrides=(o,))
+            except ValueError as e:
+                raise ValueError(str(e) if str(e).startswith("--set") else f"--set {o} (row {row}): {e}") from None
     remats = [r.strip() for r in remat.split(",")]
     for r in remats:
         if r not in REMAT_POLICIES:
@@ -307,24 +357,29 @@ def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), s
         assert shape_list and all(len(s) == 2 and min(s) > 0 for s in shape_list)
     except (ValueError, AssertionError):
         raise ValueError(f"--shapes: expected BxT pairs like '4x4096,1x32768', got {shapes!r}") from None
-    size = QUICK if quick else Size()
-    if quick:
-        shape_list = [(2, 64)]
-        steps, warmup, window = 4, 1, 2
+    for flag, value in (("--steps", steps), ("--warmup", warmup), ("--window", window)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag}: must be a positive int, got {value!r}")
     record = C.provenance(NAME, quick)
     record.update(size=dataclasses.asdict(size), shapes=shape_list, remat=remats, steps=steps, warmup=warmup,
-                  attention_impl=attention_impl, memory_backend=memory_backend, overrides=list(overrides),
-                  isolate=bool(isolate), profile=int(profile), results=[])
+                  window=window, attention_impl=attention_impl, memory_backend=memory_backend,
+                  overrides=list(overrides), isolate=bool(isolate), profile=int(profile), results=[])
     jobs = [(r, B, T, rm) for (B, T) in shape_list for rm in remats for r in names]
     n_windows = max(1, steps // window)
     with C.progress(total=len(jobs) * n_windows * window, desc="train_bench", unit="step") as bar:
+        failed = []
         for row, B, T, rm in jobs:
-            bar.set_postfix_str(f"{row} {B}x{T} remat={rm}")
+            bar.set_postfix_str(f"{row} {B}x{T} remat={rm}" + (f", {len(failed)} failed" if failed else ""))
+            done = bar.n
             if isolate:
                 res = _isolated(row, B, T, rm, steps=steps, warmup=warmup, window=window,
                                 attention_impl=attention_impl, memory_backend=memory_backend, overrides=overrides,
                                 quick=quick, profile=profile)
-                bar.update(n_windows * window)
+                if res.get("status") == "ok":
+                    bar.update(n_windows * window)
+                else:
+                    failed.append(f"{row} {B}x{T} {res.get('status', 'error')}")
+                    _drop_steps(bar, n_windows * window, failed)
                 record["results"].append(res)
                 C.save_partial(record, NAME, out)
                 continue
@@ -338,12 +393,20 @@ def run(quick: bool = False, out: str = "results", rows: str = ",".join(ROWS), s
                        "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
                 if res["status"] == "error":
                     traceback.print_exc()
-                bar.update(n_windows * window)
+                failed.append(f"{row} {B}x{T} {res['status']}")
+                _drop_steps(bar, n_windows * window - (bar.n - done), failed)
             record["results"].append(res)
             jax.clear_caches()
             C.save_partial(record, NAME, out)
     _ratios(record)
     return C.finish(record, NAME, out, plot(record))
+
+
+def _drop_steps(bar, steps: int, failed: list) -> None:
+    """A failed row's steps that will not run leave the bar's total (they are not counted as done);
+    the postfix counts the failed rows (``failed``: their names)."""
+    bar.total -= steps
+    bar.set_postfix_str(f"{failed[-1]}: {len(failed)} failed")
 
 
 def _ratios(record: dict) -> None:
@@ -421,24 +484,34 @@ def table(record: dict) -> str:
 
 
 def main(argv=None):
-    p = C.make_parser(NAME, __doc__.split("\n")[0])
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows from {', '.join(ROWS)}")
-    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated BxT batch shapes (default: %(default)s)")
-    p.add_argument("--remat", default="dots",
+    p = C.make_parser(NAME, __doc__.split("\n")[0], quick_help=(
+        "a tiny model on a CPU (a smoke run of a minute or two): also --shapes {shapes} --steps {steps} "
+        "--warmup {warmup} --window {window}, each only where the option is left unset".format(**QUICK_RUN)))
+    p.add_argument("--rows", default=None,
+                   help=f"comma-separated rows from {', '.join(ROWS)} (default: all)")
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated BxT batch shapes (default: {DEFAULTS['shapes']}; "
+                        f"--quick: {QUICK_RUN['shapes']})")
+    p.add_argument("--remat", default=None,
                    help=f"remat policy, or several comma-separated, from {', '.join(REMAT_POLICIES)} (default: dots)")
-    p.add_argument("--steps", type=C.positive_int, default=20, help="timed steps per row (default: %(default)s)")
-    p.add_argument("--warmup", type=C.positive_int, default=3, help="untimed steps after compiling (default: 3)")
-    p.add_argument("--window", type=C.positive_int, default=5,
-                   help="steps per timing window; the median window is reported (default: 5)")
-    p.add_argument("--attention-impl", dest="attention_impl", default="auto",
+    p.add_argument("--steps", type=C.positive_int, default=None,
+                   help=f"timed steps per row (default: {DEFAULTS['steps']}; --quick: {QUICK_RUN['steps']})")
+    p.add_argument("--warmup", type=C.positive_int, default=None,
+                   help=f"untimed steps after compiling (default: {DEFAULTS['warmup']}; "
+                        f"--quick: {QUICK_RUN['warmup']})")
+    p.add_argument("--window", type=C.positive_int, default=None,
+                   help=f"steps per timing window; the median window is reported (default: {DEFAULTS['window']}; "
+                        f"--quick: {QUICK_RUN['window']})")
+    p.add_argument("--attention-impl", dest="attention_impl", default="auto", choices=ATTENTION_IMPLS,
                    help="ModelConfig.attention_impl of the library rows (default: auto)")
-    p.add_argument("--memory-backend", dest="memory_backend", default="auto",
+    p.add_argument("--memory-backend", dest="memory_backend", default="auto", choices=MEMORY_BACKENDS,
                    help="ModelConfig.memory_backend of the library rows (default: auto)")
     p.add_argument("--isolate", action="store_true",
                    help="run each row in its own process (one allocator per row: on one H200 a 45 GiB step "
                         "buffer failed to allocate after three other rows in the same process, and fit alone)")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="also profile N steps of every row: GPU time per kind and the largest kernels (default: 0, off)")
+    p.add_argument("--profile", type=C.non_negative_int, default=0, metavar="N",
+                   help="also profile N steps of every row: GPU time per kind and the largest kernels "
+                        "(default: 0, off)")
     p.add_argument("--set", dest="overrides", action="append", metavar="FIELD=VALUE",
                    help="a ModelConfig field for every library row, e.g. --set moe_dispatch=capacity (repeatable)")
     p.add_argument("--merge", nargs="+", metavar="RECORD",

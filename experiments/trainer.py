@@ -403,3 +403,7 @@ def run_sweeps(plan: Sequence[tuple[str, LMSweep]], train: dict, val: dict, desc
             on_result(results)
     bar.close()
     return results
+
+
+if __name__ == "__main__":
+    C.library_module("trainer", [f"python -m experiments.{n}" for n in ("scorecard", "mqar", "niah", "lm", "attnres")])

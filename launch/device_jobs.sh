@@ -4,25 +4,28 @@
 #
 #   bash launch/device_jobs.sh SECONDS 'python -m experiments.attnres' [SECONDS 'command' ...]
 #
-# For a machine reached by copying the repository there and collecting one output folder
-# (`$OUT`, default /tmp/device_out) — a cloud VM, a batch-queue node — and for any single-GPU box:
+# Meant for a machine that gets a copy of the repository and whose results are collected as one
+# archive — a cloud VM, a batch-queue node — and for any single-GPU box. Environment variables:
+# OUT, the folder the archive goes to (default /tmp/device_out); RESULTS, the results root the
+# jobs write to (default /tmp/device_results). The script
 #
-# * installs wheels shipped with the repository copy (`.whl/*.whl`, e.g. grain, fla-core) into /tmp/site and stops at
-#   once if that fails or `grain` does not import (a job without its dependencies wastes the call);
-# * runs each command ALONE on the GPU (sequentially: the 2026-11-29 call that ran three experiments
-#   side by side found the GPU 93% busy and each ran at about half speed, so all three were cut)
-#   under `timeout SECONDS`, with `--out $RESULTS` appended (unless the command names its own
-#   `--out`, e.g. `--out $RESULTS/mqar_L128` to keep two calls of one experiment apart:
-#   $RESULTS is exported to the jobs), its log in `$RESULTS/logs/`;
-# * archives `$RESULTS` (default /tmp/device_results) as `$OUT/results.tgz` after every job, so a
-#   call stopped by its own limit still returns what finished (partial JSONs included), and prints
-#   each job's exit status, wall time and last lines.
+# * installs the wheels found in `.whl/*.whl` (e.g. grain, fla-core), if any, into /tmp/site and
+#   stops at once if that fails or `grain` does not import (a job without its dependencies would
+#   fail anyway);
+# * runs each command ALONE on the GPU (sequentially: experiments sharing one GPU slow each other
+#   down — three at once each ran at about half speed) under `timeout SECONDS`, with
+#   `--out $RESULTS` appended (unless the command names its own `--out`, e.g.
+#   `--out $RESULTS/mqar_L128` to keep two calls of one experiment apart: RESULTS is exported to
+#   the jobs), its log in `$RESULTS/logs/`;
+# * archives `$RESULTS` as `$OUT/results.tgz` after every job, so a run stopped by its time limit
+#   still leaves what finished (partial JSONs included), and prints each job's exit status, wall
+#   time and last lines.
 #
 # SKIP_WHEELS=1 skips the install (a machine that has the packages, e.g. a test run on the CPU).
 # Environment set for every job: PYTHONPATH (wheels + repo), PYTHONUNBUFFERED=1,
 # XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (see docs/results.md: compile time). Give a job its
 # own variables inline: 600 'XLA_PYTHON_CLIENT_MEM_FRACTION=.95 python -m experiments.decode_scaling'.
-# Keep the sum of SECONDS (+ ~30 s of start-up) inside the call's limit.
+# Keep the sum of SECONDS (+ ~30 s of start-up) inside any limit the whole run has.
 set -u
 if [ $# -lt 2 ] || [ $(($# % 2)) -ne 0 ]; then
     echo "usage: bash launch/device_jobs.sh SECONDS 'command' [SECONDS 'command' ...]" >&2
@@ -40,7 +43,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}
 python3 -c "import grain, jax; print('device_jobs: jax', jax.__version__, jax.devices())" \
-    || { echo "device_jobs: grain/jax do not import (was .whl carried?)" >&2; exit 3; }
+    || { echo "device_jobs: grain/jax do not import (are their wheels in .whl/?)" >&2; exit 3; }
 git rev-parse HEAD > "$RESULTS/git_head.txt" 2>/dev/null
 git status --porcelain --untracked-files=no > "$RESULTS/git_status.txt" 2>/dev/null
 
