@@ -71,6 +71,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
@@ -1109,6 +1110,50 @@ def _check_gate_bound(g, gate, bound):
     return bound
 
 
+def _check_inputs(fn, q, k, v, g, beta, *, gate, initial_state, segment_ids):
+    """The public entry points' array checks, naming ``fn`` and the argument. Shapes always (at trace
+    time); the values of concrete gates, ``beta`` and ``initial_state`` (finite; gates <= 0) only outside
+    ``jit``: traced arrays are not read."""
+    def shape(x):
+        return tuple(np.shape(x))
+
+    def need(name, x, expected, layout):
+        if x is None:
+            raise ValueError(f"{fn}: `{name}` is required (shape {layout} = {expected})")
+        if shape(x) != expected:
+            raise ValueError(f"{fn}: `{name}` must have shape {layout} = {expected}, got {shape(x)}")
+
+    if q is None or np.ndim(q) != 4:
+        raise ValueError(f"{fn}: `q` must be [B, T, H, K], got shape {None if q is None else shape(q)}")
+    B, T, H, K = shape(q)
+    need("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
+    if v is None or np.ndim(v) != 4 or shape(v)[:3] != (B, T, H):
+        raise ValueError(f"{fn}: `v` must be [B, T, H, V] with B, T, H = {(B, T, H)} as in q, got shape "
+                         f"{None if v is None else shape(v)}")
+    need("beta", beta, (B, T, H), "[B, T, H]")
+    if gate == "scalar":
+        need("g", g, (B, T, H), "[B, T, H]")
+    elif gate == "channel":
+        need("g", g, (B, T, H, K), "[B, T, H, K]")
+    if initial_state is not None:
+        need("initial_state", initial_state, (B, H, K, shape(v)[3]), "[B, H, K, V]")
+    if segment_ids is not None:
+        need("segment_ids", segment_ids, (B, T), "[B, T]")
+        dtype = np.asarray(segment_ids).dtype if not hasattr(segment_ids, "dtype") else segment_ids.dtype
+        if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)):
+            raise ValueError(f"{fn}: `segment_ids` must be an integer array, got dtype {dtype}")
+    for name, x in (("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if x is None or isinstance(x, jax.core.Tracer):
+            continue
+        values = np.asarray(jax.device_get(x), dtype=np.float64)
+        bad = int(np.sum(~np.isfinite(values)))
+        if bad:
+            raise ValueError(f"{fn}: `{name}` has {bad} non-finite entries (NaN or inf)")
+        if name == "g" and np.any(values > 0):
+            raise ValueError(f"{fn}: `g` (log-decay) must be <= 0 everywhere (alpha = exp(g) <= 1); max is "
+                             f"{float(values.max()):.4g}")
+
+
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
              gate_lower_bound=None, bv=None, num_warps=4, num_warps_state=None, num_stages_state=None, state_dtype=None,
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
@@ -1381,18 +1426,23 @@ _DOC = """
 
 def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
                      target=None, interpret=None, **tuning):
+    _check_inputs("chunk_delta_rule", q, k, v, None, beta, gate=None, initial_state=initial_state,
+                  segment_ids=segment_ids)
     return _delta(q, k, v, None, beta, gate=None, scale=scale, initial_state=initial_state,
                   segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret, **tuning)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
                            target=None, interpret=None, **tuning):
+    _check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, gate="scalar", initial_state=initial_state,
+                  segment_ids=segment_ids)
     return _delta(q, k, v, g, beta, gate="scalar", scale=scale, initial_state=initial_state,
                   segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret, **tuning)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
               target=None, interpret=None, gate_lower_bound=None, **tuning):
+    _check_inputs("chunk_kda", q, k, v, g, beta, gate="channel", initial_state=initial_state, segment_ids=segment_ids)
     return _delta(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
                   segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret,
                   gate_lower_bound=gate_lower_bound, **tuning)

@@ -21,6 +21,8 @@ from flax import nnx
 
 from lineage_jax import memory
 from lineage_jax.layers.common import Dense, YaRN, apply_rope, normal, param
+from lineage_jax.memory import _validate as V
+from lineage_jax.memory.softmax import check_kv_cache
 
 Array = jax.Array
 
@@ -46,9 +48,9 @@ class Attention(nnx.Module):
         if attention_impl not in memory.ATTENTION_IMPLS:
             raise ValueError(f"Attention: `attention_impl` must be one of {memory.ATTENTION_IMPLS}, got {attention_impl!r}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        for name, val in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
-            if val <= 0:
-                raise ValueError(f"Attention: `{name}` must be positive, got {val}")
+        for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim),
+                          ("num_kv_heads", num_kv_heads)):
+            V.require_positive_int("Attention", name, val)
         if num_heads % num_kv_heads:
             raise ValueError(f"Attention: `num_kv_heads` ({num_kv_heads}) must divide `num_heads` ({num_heads})")
         if rope_theta is not None:
@@ -104,12 +106,14 @@ class Attention(nnx.Module):
     def prefill(self, x: Array, cache: memory.KVCache, *, segment_ids: Optional[Array] = None):
         """Process ``T`` tokens after whatever ``cache`` holds; returns ``(y, cache)``."""
         _check_x("Attention.prefill", x, 3, self.d_model)
+        check_kv_cache("Attention.prefill", cache, x.shape[0], self.head_dim)
         q, k = self._qk(x, cache.length[:, None] + jnp.arange(x.shape[1])[None, :])
         o, cache = memory.softmax_attention_extend(q, k, self.v(x), cache, segment_ids=segment_ids)
         return self._out(o), cache
 
     def decode(self, x_t: Array, cache: memory.KVCache):
         _check_x("Attention.decode", x_t, 2, self.d_model)
+        check_kv_cache("Attention.decode", cache, x_t.shape[0], self.head_dim)
         q, k = self._qk(x_t, cache.length)
         o, cache = memory.softmax_attention_step(q, k, self.v(x_t), cache, read=self.decode_read)
         return self._out(o), cache

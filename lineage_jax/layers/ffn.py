@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lineage_jax.layers.common import Dense
+from lineage_jax.memory import _validate as V
 
 Array = jax.Array
 
@@ -51,8 +52,8 @@ class MLP(nnx.Module):
                  use_bias: bool | None = None, out_std: float | None = None):
         if kind not in KINDS:
             raise ValueError(f"MLP: `kind` must be one of {KINDS}, got {kind!r}")
-        if hidden <= 0:
-            raise ValueError(f"MLP: `hidden` must be positive, got {hidden}")
+        V.require_positive_int("MLP", "d_model", d_model)
+        V.require_positive_int("MLP", "hidden", hidden)
         self.kind = kind
         bias = (kind == "gelu") if use_bias is None else use_bias
         if kind == "gelu":

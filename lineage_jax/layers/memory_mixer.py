@@ -22,6 +22,8 @@ kda         SiLU, L2 q/k    per channel, low-rank ``f_b f_a``:  RMSNorm ⊙ σ(g
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -30,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from lineage_jax import memory
+from lineage_jax.memory import _validate as V
 from lineage_jax.memory.options import MemoryOptions
 from lineage_jax.memory.options import resolve as resolve_options
 from lineage_jax.memory.segments import document_index
@@ -157,10 +160,15 @@ class MemoryMixer(nnx.Module):
         if rule not in RULES:
             raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
-            if not isinstance(val, int) or val <= 0:
-                raise ValueError(f"MemoryMixer: `{name}` must be a positive int, got {val!r}")
-        if conv_size < 0 or conv_size == 1:
-            raise ValueError(f"MemoryMixer: `conv_size` must be 0 (none) or >= 2, got {conv_size}")
+            V.require_positive_int("MemoryMixer", name, val)
+        for name, val in (("v_head_dim", v_head_dim), ("gate_rank", gate_rank)):
+            if val is not None:
+                V.require_positive_int("MemoryMixer", name, val)
+        if not V.is_int(conv_size) or conv_size < 0 or conv_size == 1:
+            raise ValueError(f"MemoryMixer: `conv_size` must be an int, 0 (none) or >= 2, got {conv_size!r}")
+        if (isinstance(norm_eps, bool) or not isinstance(norm_eps, numbers.Real) or not math.isfinite(norm_eps)
+                or not norm_eps > 0):
+            raise ValueError(f"MemoryMixer: `norm_eps` must be a positive finite number, got {norm_eps!r}")
         options = resolve_options("MemoryMixer", options, default_backend="auto", backend=backend,
                                   chunk_size=chunk_size)
         if a_init not in A_INITS:
@@ -178,13 +186,15 @@ class MemoryMixer(nnx.Module):
                              f"got {H!r}")
         if H != num_heads and rule == "linear":
             raise ValueError("MemoryMixer: `num_v_heads` (grouped value heads) is for the delta rules, not linear")
-        rank = head_dim if gate_rank is None else gate_rank
-        if rank <= 0:
-            raise ValueError(f"MemoryMixer: `gate_rank` must be positive, got {rank}")
         if output_gate_bias and MemoryMixer._defaults(rule, output_norm, output_gate, gate_activation)[1] == "none":
             raise ValueError("MemoryMixer: `output_gate_bias` needs an output gate (output_gate='none')")
         if rule == "kda" and kda_gate == "bounded":
-            options = options.replace(gate_lower_bound=-float(gate_bound))
+            try:  # MemoryOptions checks the bound it becomes; name the argument given here
+                options = options.replace(gate_lower_bound=-float(gate_bound))
+            except (TypeError, ValueError):
+                from lineage_jax._kernels import MIN_GATE_BOUND  # the kernels' limit (float32 range of a tile)
+                raise ValueError(f"MemoryMixer: `gate_bound` must be a number in (0, {-MIN_GATE_BOUND}] (the bounded "
+                                 f"gate's log-decay is >= -gate_bound), got {gate_bound!r}") from None
         return options
 
     @staticmethod
@@ -260,6 +270,20 @@ class MemoryMixer(nnx.Module):
             want = "[B,T,D]" if rank == 3 else "[B,D]"
             raise ValueError(f"MemoryMixer.{fn}: `x` must have shape {want} with D={self.d_model}, got {tuple(x.shape)}")
 
+    def _check_cache(self, fn: str, cache: MemoryCache, batch: int) -> None:
+        """``cache`` is a :class:`MemoryCache` of this layer for ``batch`` rows: its conv history
+        ``[B, conv_size - 1, C]`` (None without a conv). The state is checked by the rule."""
+        fn = f"MemoryMixer.{fn}"
+        if not isinstance(cache, MemoryCache):
+            raise ValueError(f"{fn}: `cache` must be a MemoryCache (see MemoryMixer.init_cache), "
+                             f"got {type(cache).__name__}")
+        if self.conv is not None:
+            V.require_shape(fn, "cache.conv", cache.conv, (batch, self.conv_size - 1, self.conv_channels),
+                            "[B,conv_size-1,C]")
+        elif cache.conv is not None:
+            raise ValueError(f"{fn}: `cache.conv` must be None (this layer has no conv), got shape "
+                             f"{V.shape_of(cache.conv)}")
+
     def _inputs(self, x: Array, conv_prefix: Optional[Array], doc: Optional[Array]):
         """Project ``x [B,T,D]`` to the rule's ``(q, k, v, g, β)`` and the new conv prefix."""
         B, T, _ = x.shape
@@ -328,12 +352,14 @@ class MemoryMixer(nnx.Module):
     # ------------------------------------------------------------------ public
     def __call__(self, x: Array, *, segment_ids: Optional[Array] = None) -> Array:
         self._check("__call__", x, 3)
+        V.check_segment_ids("MemoryMixer.__call__", segment_ids, *x.shape[:2])
         q, k, v, g, beta, _ = self._inputs(x, None, None if segment_ids is None else document_index(segment_ids))
         o, _ = self._rule(q, k, v, g, beta, None, segment_ids)
         return self._output(o, x)
 
     def init_cache(self, batch: int, max_len: int = 0, dtype=jnp.float32) -> MemoryCache:
         """A zero state (``max_len`` is ignored: the state does not grow)."""
+        batch = V.require_positive_int("MemoryMixer.init_cache", "batch", batch)
         H, K, Vd = self.num_v_heads, self.head_dim, self.v_head_dim
         conv = (jnp.zeros((batch, self.conv_size - 1, self.conv_channels), dtype) if self.conv is not None else None)
         S = jnp.zeros((batch, H, K, Vd), jnp.float32)
@@ -343,6 +369,8 @@ class MemoryMixer(nnx.Module):
     def prefill(self, x: Array, cache: MemoryCache, *, segment_ids: Optional[Array] = None):
         """Run ``T`` tokens after ``cache`` (chunked form); returns ``(y, cache)``."""
         self._check("prefill", x, 3)
+        self._check_cache("prefill", cache, x.shape[0])
+        V.check_segment_ids("MemoryMixer.prefill", segment_ids, *x.shape[:2])
         q, k, v, g, beta, prefix = self._inputs(x, cache.conv, None if segment_ids is None else document_index(segment_ids))
         o, state = self._rule(q, k, v, g, beta, cache.state, segment_ids)
         return self._output(o, x), MemoryCache(prefix, state)
@@ -350,10 +378,11 @@ class MemoryMixer(nnx.Module):
     def decode(self, x_t: Array, cache: MemoryCache):
         """One token ``x_t [B, D]`` through the rule's decode step."""
         self._check("decode", x_t, 2)
+        self._check_cache("decode", cache, x_t.shape[0])
         q, k, v, g, beta, prefix = self._inputs(x_t[:, None], cache.conv, None)
         q, k, v = q[:, 0], k[:, 0], v[:, 0]
         if self.rule == "linear":
-            o, state = memory.linear_attention_step(q, k, v, cache.state)
+            o, state = memory.linear_attention_step(q, k, v, cache.state, normalize=True)
         elif self.rule == "deltanet":
             o, state = memory.delta_rule_step(q, k, v, beta[:, 0], cache.state)
         elif self.rule == "gdn":

@@ -207,7 +207,7 @@ class MLA(nnx.Module):
         L = cache.capacity
         V.require_shape(fn, "cache.latent", cache.latent, (batch, L, self.kv_lora_rank), "[B,L,kv_lora_rank]")
         V.require_shape(fn, "cache.k_rope", cache.k_rope, (batch, L, self.rope_dim), "[B,L,qk_rope_head_dim]")
-        V.require_shape(fn, "cache.length", cache.length, (batch,), "[B]")
+        V.check_cache_length(fn, cache.length, batch)
 
     # ------------------------------------------------------------------ public
     def __call__(self, x: Array, *, segment_ids: Optional[Array] = None) -> Array:
@@ -238,9 +238,8 @@ class MLA(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> MLACache:
         """An empty cache with room for ``max_len`` tokens per row."""
-        for name, val in (("batch", batch), ("max_len", max_len)):
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"MLA.init_cache: `{name}` must be a positive int, got {val!r}")
+        batch = V.require_positive_int("MLA.init_cache", "batch", batch)
+        max_len = V.require_positive_int("MLA.init_cache", "max_len", max_len)
         return MLACache(latent=jnp.zeros((batch, max_len, self.kv_lora_rank), dtype),
                         k_rope=jnp.zeros((batch, max_len, self.rope_dim), dtype),
                         length=jnp.zeros((batch,), jnp.int32))

@@ -31,15 +31,18 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lineage_jax.layers.common import Dense, RMSNorm, normal, param
 from lineage_jax.layers.ffn import MLP, glu
 from lineage_jax.layers.grouped import GROUPED_MATMUL_IMPLS, grouped_glu_mlp, resolve_impl
+from lineage_jax.memory import _validate as V
 
 Array = jax.Array
 
@@ -167,6 +170,21 @@ def quantile_bias_update(bias: Array, scores: Array, top_k: int, rate: float) ->
     return bias + rate * (target - bias)
 
 
+def _check_rate(fn: str, rate) -> None:
+    """A bias update's ``rate``: a real scalar, finite and >= 0 (its value is read only when concrete)."""
+    if isinstance(rate, (jax.Array, np.ndarray)) and rate.ndim == 0 and jnp.issubdtype(rate.dtype, jnp.number) \
+            and not jnp.issubdtype(rate.dtype, jnp.complexfloating):
+        if not V.is_concrete(rate):
+            return
+        value = float(jax.device_get(rate))
+    elif isinstance(rate, numbers.Real) and not isinstance(rate, bool):
+        value = float(rate)
+    else:
+        raise ValueError(f"{fn}: `rate` must be a real number >= 0, got {rate!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{fn}: `rate` must be a finite number >= 0, got {rate!r}")
+
+
 class MoE(nnx.Module):
     """Sigmoid-routed Mixture-of-Experts FFN: ``x [B, T, D] -> (y [B, T, D], RouterStats)``.
 
@@ -197,28 +215,28 @@ class MoE(nnx.Module):
               capacity_factor: float = 1.25, matmul_impl: str = "auto", n_group: int = 1, topk_group: int = 1) -> None:
         """Raise ``ValueError`` naming the first bad argument of ``MoE(...)`` (the same arguments,
         without ``rngs``); ``ModelConfig`` runs it on its MoE part."""
-        if d_model <= 0:
-            raise ValueError(f"MoE: `d_model` must be positive, got {d_model}")
-        if num_experts <= 0:
-            raise ValueError(f"MoE: `num_experts` must be positive, got {num_experts}")
-        if top_k <= 0 or top_k > num_experts:
-            raise ValueError(f"MoE: `top_k` must be in [1, num_experts={num_experts}], got {top_k}")
-        if expert_hidden <= 0:
-            raise ValueError(f"MoE: `expert_hidden` must be positive, got {expert_hidden}")
-        if num_shared_experts < 0:
-            raise ValueError(f"MoE: `num_shared_experts` must be >= 0, got {num_shared_experts}")
+        for name, val in (("d_model", d_model), ("num_experts", num_experts), ("expert_hidden", expert_hidden)):
+            V.require_positive_int("MoE", name, val)
+        if not V.is_int(top_k) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: `top_k` must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+        if not V.is_int(num_shared_experts) or num_shared_experts < 0:
+            raise ValueError(f"MoE: `num_shared_experts` must be an int >= 0, got {num_shared_experts!r}")
         if num_shared_experts == 0 and shared_hidden is not None:
             raise ValueError("MoE: `shared_hidden` is set but `num_shared_experts` is 0")
-        if shared_hidden is not None and shared_hidden <= 0:
-            raise ValueError(f"MoE: `shared_hidden` must be positive, got {shared_hidden}")
+        if shared_hidden is not None:
+            V.require_positive_int("MoE", "shared_hidden", shared_hidden)
+        if (isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, numbers.Real)
+                or not math.isfinite(routed_scaling_factor) or not routed_scaling_factor > 0):
+            raise ValueError(f"MoE: `routed_scaling_factor` must be a positive finite number, "
+                             f"got {routed_scaling_factor!r}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoE: `activation` must be one of {ACTIVATIONS}, got {activation!r}")
         if dispatch not in DISPATCHES:
             raise ValueError(f"MoE: `dispatch` must be one of {DISPATCHES}, got {dispatch!r}")
         if not capacity_factor > 0:
             raise ValueError(f"MoE: `capacity_factor` must be positive, got {capacity_factor}")
-        if latent_dim is not None and latent_dim <= 0:
-            raise ValueError(f"MoE: `latent_dim` must be positive or None, got {latent_dim}")
+        if latent_dim is not None and (not V.is_int(latent_dim) or latent_dim <= 0):
+            raise ValueError(f"MoE: `latent_dim` must be a positive int or None, got {latent_dim!r}")
         if not (isinstance(n_group, int) and n_group >= 1 and num_experts % n_group == 0):
             raise ValueError(f"MoE: `n_group` must be a positive divisor of num_experts={num_experts}, got {n_group!r}")
         if not (isinstance(topk_group, int) and 1 <= topk_group <= n_group):
@@ -378,13 +396,23 @@ class MoE(nnx.Module):
         ``stats.expert_counts``) or ``"quantile"`` (:func:`quantile_bias_update` on ``stats.scores``).
 
         Works on a stacked module too (a scanned group: bias ``[n, E]``, stats stacked along axis 0)."""
+        name = "MoE.update_bias"
         if rule == "sign":
             fn = lambda b, s: sign_bias_update(b, s.expert_counts, rate)
         elif rule == "quantile":
             fn = lambda b, s: quantile_bias_update(b, s.scores, self.top_k, rate)
         else:
-            raise ValueError(f"MoE.update_bias: `rule` must be one of {BIAS_RULES}, got {rule!r}")
+            raise ValueError(f"{name}: `rule` must be one of {BIAS_RULES}, got {rule!r}")
+        _check_rate(name, rate)
         bias = self.router_bias[...]
+        if not hasattr(stats, "expert_counts" if rule == "sign" else "scores"):
+            raise ValueError(f"{name}: `stats` must be the RouterStats of a MoE call, got {type(stats).__name__}")
+        lead, E = tuple(bias.shape[:-1]), self.num_experts
+        if rule == "sign":
+            V.require_shape(name, "stats.expert_counts", stats.expert_counts, (*lead, E), "[..., E] (as the bias)")
+        elif V.shape_of(stats.scores)[:len(lead)] != lead or V.shape_of(stats.scores)[len(lead) + 1:] != (E,):
+            raise ValueError(f"{name}: `stats.scores` must have shape [..., N, E] with E = {E} (leading axes "
+                             f"{lead} as the bias), got {V.shape_of(stats.scores)}")
         for _ in range(bias.ndim - 1):
             fn = jax.vmap(fn)
         self.router_bias[...] = fn(bias, stats)

@@ -8,6 +8,7 @@ caller is responsible (``jax.experimental.checkify`` can wrap the call).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -19,6 +20,17 @@ MODES = ("chunked", "recurrent")
 
 def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(np.shape(x))
+
+
+def is_int(x: Any) -> bool:
+    """A Python or NumPy integer; a bool is not one."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def require_positive_int(fn: str, name: str, x: Any) -> int:
+    if not is_int(x) or x <= 0:
+        raise ValueError(f"{fn}: `{name}` must be a positive int, got {x!r}")
+    return int(x)
 
 
 def require_rank(fn: str, name: str, x: Any, rank: int, layout: str) -> None:
@@ -78,11 +90,42 @@ def max_filled(length: Any) -> int:
     return int(np.max(jax.device_get(length)))
 
 
-def check_log_decay(fn: str, name: str, g: Any) -> None:
-    """Gates are natural-log decays: finite and <= 0 (alpha = exp(g) in (0, 1])."""
+def _host(x: Any) -> np.ndarray:
+    """A concrete array's values on the host, as float64 (read with ``device_get``: ``jnp`` reductions
+    would trace when ``x`` is a constant captured inside ``jit``)."""
+    return np.asarray(jax.device_get(x), dtype=np.float64)
+
+
+def check_finite(fn: str, name: str, x: Any) -> None:
+    """A concrete ``x`` holds no NaN or inf (a traced one is not read)."""
+    if not is_concrete(x):
+        return
+    bad = int(np.sum(~np.isfinite(_host(x))))
+    if bad:
+        raise ValueError(f"{fn}: `{name}` has {bad} non-finite entries (NaN or inf)")
+
+
+def check_cache_length(fn: str, length: Any, batch: int, name: str = "cache.length") -> None:
+    """A cache's fill lengths: ``[B]`` integers, and (when concrete) none negative."""
+    require_rank(fn, name, length, 1, "[B]")
+    if shape_of(length)[0] != batch:
+        raise ValueError(f"{fn}: `{name}` has batch {shape_of(length)[0]}, the input has batch {batch} "
+                         "(the cache was built for another batch)")
+    dtype = length.dtype if hasattr(length, "dtype") else np.asarray(length).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"{fn}: `{name}` must be an integer array, got dtype {dtype}")
+    if is_concrete(length) and batch > 0:
+        lowest = int(np.min(jax.device_get(length)))
+        if lowest < 0:
+            raise ValueError(f"{fn}: `{name}` must be >= 0, got {lowest}")
+
+
+def check_log_decay(fn: str, name: str, g: Any, lower_bound: float | None = None) -> None:
+    """Gates are natural-log decays: finite and <= 0 (alpha = exp(g) in (0, 1]); with ``lower_bound``
+    (KDA's ``gate_lower_bound``), also ``>= lower_bound``."""
     if not is_concrete(g):
         return
-    g_np = np.asarray(jax.device_get(g), dtype=np.float64)
+    g_np = _host(g)
     if not np.all(np.isfinite(g_np)):
         bad = int(np.sum(~np.isfinite(g_np)))
         raise ValueError(
@@ -94,6 +137,11 @@ def check_log_decay(fn: str, name: str, g: Any) -> None:
             f"{fn}: `{name}` (log-decay) must be <= 0 everywhere (alpha = exp({name}) <= 1); "
             f"max is {float(g_np.max()):.4g}. Map raw gate logits with e.g. "
             "-softplus(x) or jax.nn.log_sigmoid(x)."
+        )
+    if lower_bound is not None and g_np.size and g_np.min() < lower_bound:
+        raise ValueError(
+            f"{fn}: `{name}` (log-decay) reaches {float(g_np.min()):.4g}, below `gate_lower_bound`={lower_bound}; "
+            "bound the gates by construction (e.g. g = gate_lower_bound·sigmoid(·)) or leave the bound unset"
         )
 
 

@@ -41,8 +41,10 @@ def _compute_dtype(*arrays: Any) -> jnp.dtype:
     return jnp.result_type(jnp.float32, *[a.dtype for a in arrays if a is not None])
 
 
-def _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, chunk_size, value_cols=0):
-    """Validate a sequence call. Returns ``(B, T, H, K, Vd)``."""
+def _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, chunk_size, value_cols=0, *,
+                    erase=True, gate_lower_bound=None):
+    """Validate a sequence call (``beta`` required when the rule erases; ``gate_lower_bound``: the
+    per-channel gate's promised bound, checked on concrete gates). Returns ``(B, T, H, K, Vd)``."""
     V.check_mode(fn, mode)
     if chunk_size is not None:  # None: the backend's own chunk
         V.check_chunk_size(fn, chunk_size)
@@ -63,10 +65,11 @@ def _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode
         V.require_shape(fn, "g", g, (B, T, H, K), "[B,T,H,K]")
     if g is not None:
         V.require_float(fn, "g", g)
-        V.check_log_decay(fn, "g", g)
-    if beta is not None:
+        V.check_log_decay(fn, "g", g, lower_bound=gate_lower_bound)
+    if erase or beta is not None:
         V.require_shape(fn, "beta", beta, (B, T, H), "[B,T,H]")
         V.require_float(fn, "beta", beta)
+        V.check_finite(fn, "beta", beta)
     V.check_segment_ids(fn, segment_ids, B, T)
     return B, T, H, K, Vd
 
@@ -105,9 +108,12 @@ def _run_pallas(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, dt
 def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids, mode, chunk_size=None, cast=True,
          backend=None, gate_lower_bound=None, options=None):
     opts = resolve_options(fn, options, backend=backend, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)
-    B, T, H, K, Vd = _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, None)
+    B, T, H, K, Vd = _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, None, erase=erase,
+                                     gate_lower_bound=opts.gate_lower_bound if gate == _GATE_CHANNEL else None)
     if initial_state is not None:
+        _single_state(fn, "initial_state", initial_state)
         V.require_shape(fn, "initial_state", initial_state, (B, H, K, Vd), "[B,H,K,V]")
+        V.check_finite(fn, "initial_state", initial_state)
     scale = V.resolve_scale(fn, scale, K)
     dt = _compute_dtype(q, k, v, g, beta)
     out_dtype = jnp.result_type(q, k, v)
@@ -154,13 +160,13 @@ def linear_attention(
       ``(o [B, T, H, V], state)`` with the final state (``S`` or ``(S, z)``).
     """
     fn = "linear_attention"
-    if not isinstance(normalize, (bool, jnp.bool_)):
-        raise ValueError(f"{fn}: `normalize` must be a bool, got {normalize!r}")
+    _check_normalize(fn, normalize)
     if not normalize:
         return _run(fn, q, k, v, None, None, gate=_GATE_NONE, erase=False, scale=scale,
                     initial_state=_plain_state(fn, initial_state), segment_ids=segment_ids,
                     mode=mode, chunk_size=chunk_size)
-    B, T, H, K, Vd = _check_sequence(fn, q, k, v, None, None, _GATE_NONE, initial_state, segment_ids, mode, chunk_size)
+    B, T, H, K, Vd = _check_sequence(fn, q, k, v, None, None, _GATE_NONE, initial_state, segment_ids, mode, chunk_size,
+                                     erase=False)
     S0 = _augmented_state(fn, initial_state, (B, H, K, Vd), _compute_dtype(q, k, v))
     # The normalizer is one more value column: z is the state's column for v = 1.
     v_aug = jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)
@@ -268,25 +274,37 @@ def kda(
 # ----------------------------------------------------------------------------
 # Decode steps: one token, ``[B, H, D]``.
 # ----------------------------------------------------------------------------
-def _step(fn, q_t, k_t, v_t, g_t, beta_t, state, *, gate, erase, scale, cast=True):
+def _check_step_tokens(fn, q_t, k_t, v_t):
+    """Validate one token's ``q_t, k_t [B, H, K]`` and ``v_t [B, H, V]``. Returns ``(B, H, K, Vd)``."""
     V.require_rank(fn, "q_t", q_t, 3, "[B,H,K]")
     B, H, K = V.shape_of(q_t)
     V.require_shape(fn, "k_t", k_t, (B, H, K), "[B,H,K] (same as q_t)")
     V.require_rank(fn, "v_t", v_t, 3, "[B,H,V]")
     if V.shape_of(v_t)[:2] != (B, H):
         raise ValueError(f"{fn}: `v_t` must have shape [B,H,V] with B,H = {(B, H)}, got {V.shape_of(v_t)}")
-    Vd = V.shape_of(v_t)[2]
+    for name, a in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        V.require_float(fn, name, a)
+    return B, H, K, V.shape_of(v_t)[2]
+
+
+def _step(fn, q_t, k_t, v_t, g_t, beta_t, state, *, gate, erase, scale, cast=True):
+    B, H, K, Vd = _check_step_tokens(fn, q_t, k_t, v_t)
     if gate == _GATE_SCALAR:
         V.require_shape(fn, "g_t", g_t, (B, H), "[B,H]")
     elif gate == _GATE_CHANNEL:
         V.require_shape(fn, "g_t", g_t, (B, H, K), "[B,H,K]")
     if g_t is not None:
+        V.require_float(fn, "g_t", g_t)
         V.check_log_decay(fn, "g_t", g_t)
-    if beta_t is not None:
+    if erase or beta_t is not None:
         V.require_shape(fn, "beta_t", beta_t, (B, H), "[B,H]")
+        V.require_float(fn, "beta_t", beta_t)
+        V.check_finite(fn, "beta_t", beta_t)
     dt = _compute_dtype(q_t, k_t, v_t, g_t, beta_t)
     if state is None:
         state = jnp.zeros((B, H, K, Vd), dt)
+    _single_state(fn, "state", state)
+    # shape only: reading the state's values back every decode step would stall an eager loop
     V.require_shape(fn, "state", state, (B, H, K, Vd), "[B,H,K,V]")
     scale = V.resolve_scale(fn, scale, K)
     x = _rule_inputs(q_t, k_t, v_t, g_t, beta_t, gate=gate, scale=scale, dt=dt)
@@ -310,14 +328,12 @@ def linear_attention_step(
     paired = isinstance(state, (tuple, list))
     if normalize is None:
         normalize = paired
+    _check_normalize(fn, normalize)
     if not normalize:
         if paired:
             raise ValueError(f"{fn}: `state` is an (S, z) pair but `normalize=False`")
         return _step(fn, q_t, k_t, v_t, None, None, state, gate=_GATE_NONE, erase=False, scale=scale)
-    V.require_rank(fn, "v_t", v_t, 3, "[B,H,V]")
-    V.require_rank(fn, "q_t", q_t, 3, "[B,H,K]")
-    B, H, K = V.shape_of(q_t)
-    Vd = V.shape_of(v_t)[-1]
+    B, H, K, Vd = _check_step_tokens(fn, q_t, k_t, v_t)
     S0 = _augmented_state(fn, state, (B, H, K, Vd), _compute_dtype(q_t, k_t, v_t), name="state")
     v_aug = jnp.concatenate([v_t, jnp.ones((*v_t.shape[:-1], 1), v_t.dtype)], axis=-1)
     o_aug, S_aug = _step(fn, q_t, k_t, v_aug, None, None, S0, gate=_GATE_NONE, erase=False, scale=scale, cast=False)
@@ -343,6 +359,18 @@ def kda_step(q_t, k_t, v_t, g_t, beta_t, state, *, scale=None) -> tuple[Array, A
 # ----------------------------------------------------------------------------
 # Linear-attention state helpers.
 # ----------------------------------------------------------------------------
+def _check_normalize(fn: str, normalize: Any) -> None:
+    if not isinstance(normalize, (bool, jnp.bool_)):
+        raise ValueError(f"{fn}: `normalize` must be a bool, got {normalize!r}")
+
+
+def _single_state(fn: str, name: str, state: Any) -> None:
+    """The delta rules' (and unnormalized linear attention's) state is one array ``S``."""
+    if isinstance(state, (tuple, list)):
+        raise ValueError(f"{fn}: `{name}` must be one array S [B,H,K,V], got a {type(state).__name__} "
+                         "(an (S, z) pair is the state of normalized linear attention)")
+
+
 def _plain_state(fn: str, state: Any) -> Any:
     if isinstance(state, (tuple, list)):
         raise ValueError(f"{fn}: `initial_state` is an (S, z) pair but `normalize=False`; pass S alone")
@@ -407,5 +435,6 @@ def delta_corrections(
     U, W = core.ut_transform(overlaps, kk_, v_, beta_, decay_in)
     if initial_state is not None:
         V.require_shape(fn, "initial_state", initial_state, (B, H, K, Vd), "[B,H,K,V]")
+        V.check_finite(fn, "initial_state", initial_state)
         U = U - jnp.einsum("bhtk,bhkv->bhtv", W, initial_state.astype(dt), precision="highest")
     return jnp.moveaxis(U, 1, 2)

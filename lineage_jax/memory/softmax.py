@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lineage_jax.memory import _validate as V
@@ -43,10 +44,11 @@ class KVCache(NamedTuple):
 def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, *,
                   v_head_dim: Optional[int] = None, dtype=jnp.float32) -> KVCache:
     """An empty cache with room for ``max_len`` tokens."""
-    for name, val in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if not isinstance(val, int) or val <= 0:
-            raise ValueError(f"init_kv_cache: `{name}` must be a positive int, got {val!r}")
-    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    fn = "init_kv_cache"
+    batch, max_len = V.require_positive_int(fn, "batch", batch), V.require_positive_int(fn, "max_len", max_len)
+    num_kv_heads = V.require_positive_int(fn, "num_kv_heads", num_kv_heads)
+    head_dim = V.require_positive_int(fn, "head_dim", head_dim)
+    v_head_dim = head_dim if v_head_dim is None else V.require_positive_int(fn, "v_head_dim", v_head_dim)
     return KVCache(
         k=jnp.zeros((batch, max_len, num_kv_heads, head_dim), dtype),
         v=jnp.zeros((batch, max_len, num_kv_heads, v_head_dim), dtype),
@@ -62,10 +64,50 @@ def kv_cache_from_prefill(k: Array, v: Array, max_len: int) -> KVCache:
     B, T, Hk, _ = V.shape_of(k)
     if V.shape_of(v)[:3] != (B, T, Hk):
         raise ValueError(f"{fn}: `v` must match `k` in [B,T,Hkv] = {(B, T, Hk)}, got {V.shape_of(v)}")
-    if not isinstance(max_len, int) or max_len < T:
+    if not V.is_int(max_len) or max_len < T:
         raise ValueError(f"{fn}: `max_len` must be an int >= the prompt length {T}, got {max_len!r}")
+    max_len = int(max_len)
     pad = [(0, 0), (0, max_len - T), (0, 0), (0, 0)]
     return KVCache(jnp.pad(k, pad), jnp.pad(v, pad), jnp.full((B,), T, jnp.int32))
+
+
+def check_kv_cache(fn: str, cache: KVCache, batch: int, key_dim: int) -> None:
+    """``cache`` is a :class:`KVCache` for ``batch`` rows of ``key_dim``-wide keys: ``k [B, L, Hkv, K]``,
+    ``v [B, L, Hkv, V]`` and ``length [B]`` integers (none negative, when concrete)."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"{fn}: `cache` must be a KVCache (see init_kv_cache / kv_cache_from_prefill), "
+                         f"got {type(cache).__name__}")
+    V.require_rank(fn, "cache.k", cache.k, 4, "[B,L,Hkv,K]")
+    _, L, Hk, _ = V.shape_of(cache.k)
+    V.require_shape(fn, "cache.k", cache.k, (batch, L, Hk, key_dim), "[B,L,Hkv,K] (B, K as in q)")
+    V.require_rank(fn, "cache.v", cache.v, 4, "[B,L,Hkv,V]")
+    if V.shape_of(cache.v)[:3] != (batch, L, Hk):
+        raise ValueError(f"{fn}: `cache.v` must have shape [B,L,Hkv,V] with B,L,Hkv = {(batch, L, Hk)} as in "
+                         f"cache.k, got {V.shape_of(cache.v)}")
+    V.check_cache_length(fn, cache.length, batch)
+
+
+def _check_attention(fn: str, q: Array, k: Array, v: Array, causal: bool, segment_ids: Optional[Array]) -> int:
+    """Validate a whole-sequence attention call; returns ``K`` (the key width)."""
+    V.require_rank(fn, "q", q, 4, "[B,T,H,K]")
+    V.require_rank(fn, "k", k, 4, "[B,S,Hkv,K]")
+    V.require_rank(fn, "v", v, 4, "[B,S,Hkv,V]")
+    B, T, H, K = V.shape_of(q)
+    _, S, Hk, _ = V.shape_of(k)
+    V.require_shape(fn, "k", k, (B, S, Hk, K), "[B,S,Hkv,K] (B, K as in q)")
+    if V.shape_of(v)[:3] != (B, S, Hk):
+        raise ValueError(f"{fn}: `v` must have shape [B,S,Hkv,V] with B,S,Hkv = {(B, S, Hk)}, got {V.shape_of(v)}")
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        V.require_float(fn, name, a)
+    _check_heads(fn, H, Hk)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"{fn}: `causal` must be a bool, got {causal!r}")
+    if causal and S != T:
+        raise ValueError(f"{fn}: causal attention needs as many keys as queries; `k` has S={S}, `q` has T={T}")
+    if segment_ids is not None and S != T:
+        raise ValueError(f"{fn}: `segment_ids` needs S == T, got S={S}, T={T}")
+    V.check_segment_ids(fn, segment_ids, B, T)
+    return K
 
 
 def _check_heads(fn: str, H: int, Hk: int) -> int:
@@ -115,22 +157,7 @@ def softmax_attention(q: Array, k: Array, v: Array, *, scale: Optional[float] = 
       ``o [B, T, H, V]``.
     """
     fn = "softmax_attention"
-    V.require_rank(fn, "q", q, 4, "[B,T,H,K]")
-    V.require_rank(fn, "k", k, 4, "[B,S,Hkv,K]")
-    V.require_rank(fn, "v", v, 4, "[B,S,Hkv,V]")
-    B, T, H, K = V.shape_of(q)
-    _, S, Hk, _ = V.shape_of(k)
-    V.require_shape(fn, "k", k, (B, S, Hk, K), "[B,S,Hkv,K] (B, K as in q)")
-    if V.shape_of(v)[:3] != (B, S, Hk):
-        raise ValueError(f"{fn}: `v` must have shape [B,S,Hkv,V] with B,S,Hkv = {(B, S, Hk)}, got {V.shape_of(v)}")
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        V.require_float(fn, name, a)
-    _check_heads(fn, H, Hk)
-    if causal and S != T:
-        raise ValueError(f"{fn}: causal attention needs as many keys as queries; `k` has S={S}, `q` has T={T}")
-    if segment_ids is not None and S != T:
-        raise ValueError(f"{fn}: `segment_ids` needs S == T, got S={S}, T={T}")
-    V.check_segment_ids(fn, segment_ids, B, T)
+    K = _check_attention(fn, q, k, v, causal, segment_ids)
     scale = V.resolve_scale(fn, scale, K)
     doc = None if segment_ids is None else document_index(segment_ids)
     return fused.attention(q, k, v, scale=scale, causal=bool(causal), doc_q=doc, doc_k=doc, impl=impl, fn=fn)
@@ -141,9 +168,11 @@ def reference_attention(q: Array, k: Array, v: Array, *, scale: Optional[float] 
     """The unfused form of :func:`softmax_attention`: the whole ``[B, H, T, S]`` score matrix at once.
 
     For tests and small problems; same arguments and dtype policy, no ``impl``."""
-    B, T, H, K = V.shape_of(q)
+    fn = "reference_attention"
+    K = _check_attention(fn, q, k, v, causal, segment_ids)
+    B, T, H, _ = V.shape_of(q)
     S = V.shape_of(k)[1]
-    scale = V.resolve_scale("reference_attention", scale, K)
+    scale = V.resolve_scale(fn, scale, K)
     mask = jnp.ones((1, 1, T, S), dtype=bool)
     if causal:
         mask = mask & jnp.tril(jnp.ones((T, S), dtype=bool))
@@ -168,10 +197,9 @@ def softmax_attention_extend(q: Array, k: Array, v: Array, cache: KVCache, *, sc
       ``(o [B, T, H, V], cache)``.
     """
     fn = "softmax_attention_extend"
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"{fn}: `cache` must be a KVCache (see init_kv_cache / kv_cache_from_prefill), got {type(cache).__name__}")
     V.require_rank(fn, "q", q, 4, "[B,T,H,K]")
     B, T, H, K = V.shape_of(q)
+    check_kv_cache(fn, cache, B, K)
     _, L, Hk, _ = V.shape_of(cache.k)
     V.require_shape(fn, "k", k, (B, T, Hk, K), "[B,T,Hkv,K] (as the cache)")
     V.require_shape(fn, "v", v, (B, T, Hk, cache.v.shape[-1]), "[B,T,Hkv,V] (as the cache)")
@@ -308,10 +336,9 @@ def softmax_attention_step(q_t: Array, k_t: Array, v_t: Array, cache: KVCache, *
       ``(o_t [B, H, V], cache)`` with each row's length advanced by one.
     """
     fn = "softmax_attention_step"
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"{fn}: `cache` must be a KVCache (see init_kv_cache / kv_cache_from_prefill), got {type(cache).__name__}")
     V.require_rank(fn, "q_t", q_t, 3, "[B,H,K]")
     B, H, K = V.shape_of(q_t)
+    check_kv_cache(fn, cache, B, K)
     _, L, Hk, _ = V.shape_of(cache.k)
     V.require_shape(fn, "k_t", k_t, (B, Hk, K), "[B,Hkv,K] (as the cache)")
     V.require_shape(fn, "v_t", v_t, (B, Hk, cache.v.shape[-1]), "[B,Hkv,V] (as the cache)")

@@ -122,7 +122,7 @@ class ModelConfig:
     # Fixed-state mixers (L, D, G, K).
     conv_size: int = 4
     chunk_size: Optional[int] = None  # chunk of the delta rules' chunked form; None: each backend's own
-    kda_gate: str = "softplus"  # "softplus" (Kimi Linear) | "bounded" (K3: −5·σ(exp(A)·z))
+    kda_gate: str = "softplus"  # "softplus" (Kimi Linear) | "bounded" (K3: −5·σ(exp(A)·(z + b)))
     kda_gate_rank: Optional[int] = None  # default head_dim
     kda_output_gate: str = "lowrank"  # "lowrank" (Kimi Linear) | "full" (K3) | "none" (diagnostic)
     decay_a_init: str = "default"  # GDN / KDA decay scale at init: "default" | "unit" (A = 1; diagnostic)
@@ -313,8 +313,26 @@ def validate(c: ModelConfig) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             _fail(field, f"must be a positive int, got {v!r}")
 
+    def non_negative(field):
+        v = getattr(c, field)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            _fail(field, f"must be an int >= 0, got {v!r}")
+
+    def real(field):
+        v = getattr(c, field)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            _fail(field, f"must be a finite number, got {v!r}")
+
     for f in ("vocab_size", "d_model", "num_heads", "max_seq_len"):
         positive(f)
+    for f in ("num_experts", "first_dense_layers", "attnres_block"):
+        non_negative(f)
+    if c.scan_period is not None:
+        positive("scan_period")
+    for f in ("tie_embeddings", "attn_bias", "rope_truncate", "silu_v", "allow_neg_eigval", "kda_output_gate_bias",
+              "mla_rope", "mla_output_gate", "scan_layers", "scan_unroll"):
+        if not isinstance(getattr(c, f), bool):
+            _fail(f, f"must be True or False, got {getattr(c, f)!r}")
     if c.chunk_size is not None:
         positive("chunk_size")
     if not c.pattern:
@@ -337,16 +355,18 @@ def validate(c: ModelConfig) -> None:
                            f"({c.pattern!r}); MLA layers use mla_rope")
     if c.norm not in ("layernorm", "rmsnorm"):
         _fail("norm", f"must be 'layernorm' or 'rmsnorm', got {c.norm!r}")
-    for f in ("norm_eps", "mixer_norm_eps", "mla_softmax_scale"):
+    for f in ("norm_eps", "mla_softmax_scale"):  # mixer_norm_eps: MemoryMixer.check (its `norm_eps`)
         v = getattr(c, f)
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not v > 0):
-            _fail(f, f"must be a positive finite number{' or None' if f != 'mixer_norm_eps' else ''}, got {v!r}")
+            _fail(f, f"must be a positive finite number or None, got {v!r}")
     if c.rope_scaling not in ("none", "yarn"):
         _fail("rope_scaling", f"must be 'none' or 'yarn', got {c.rope_scaling!r}")
     if c.rope_scaling == "yarn":
         if not (c.positions == "rope" and "S" in c.pattern or c.mla_rope and "M" in c.pattern):
             _fail("rope_scaling", "'yarn' scales RoPE and no layer of this config rotates (softmax layers need "
                                   "positions='rope', MLA layers mla_rope=True)")
+        for f in ("rope_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor"):
+            real(f)
         if not c.rope_factor >= 1:
             _fail("rope_factor", f"must be >= 1, got {c.rope_factor!r}")
         positive("rope_original_max_len")
@@ -356,8 +376,6 @@ def validate(c: ModelConfig) -> None:
             _fail("rope_attention_factor", f"must be > 0, got {c.rope_attention_factor!r}")
     if c.ffn_kind not in FFN_KINDS:
         _fail("ffn_kind", f"must be one of {FFN_KINDS}, got {c.ffn_kind!r}")
-    if c.num_experts < 0:
-        _fail("num_experts", f"must be >= 0, got {c.num_experts}")
     if not 0 <= c.first_dense_layers <= c.num_layers:
         _fail("first_dense_layers", f"must be in [0, {c.num_layers}] (the number of layers), got {c.first_dense_layers}")
     if c.num_experts == 0 or c.first_dense_layers > 0:
@@ -398,9 +416,6 @@ def validate(c: ModelConfig) -> None:
         c.moe_part().check(MoE.check)
     if c.attnres_block < 0 or c.attnres_block > c.num_layers:
         _fail("attnres_block", f"must be 0 (plain residual) or a block size in [1, {c.num_layers}] layers, got {c.attnres_block}")
-    for name in ("scan_layers", "scan_unroll"):
-        if not isinstance(getattr(c, name), bool):
-            _fail(name, f"must be True or False, got {getattr(c, name)!r}")
     if c.scan_period is not None and not 0 < c.scan_period <= c.num_layers:
         _fail("scan_period", f"must be in [1, {c.num_layers}], got {c.scan_period}")
     if c.dtype not in ("float32", "bfloat16"):

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lineage_jax.layers import attnres as AR
@@ -33,6 +34,7 @@ from lineage_jax.layers.grouped import RESIDUALS as GROUPED_RESIDUALS
 from lineage_jax.layers.memory_mixer import MemoryMixer
 from lineage_jax.layers.mla import MLA
 from lineage_jax.layers.moe import MoE
+from lineage_jax.memory import _validate
 from lineage_jax.memory.fused import RESIDUALS as ATTENTION_RESIDUALS
 from lineage_jax.memory.rules import DELTA_RESIDUALS
 from lineage_jax.models.config import MIXERS, ModelConfig
@@ -269,6 +271,16 @@ def _scan_with_cache(body, carry, state, stacked_cache, idx):
     return carry, cache, stats
 
 
+def _check_ids(fn: str, name: str, ids: Array, limit: int, limit_name: str) -> None:
+    """Concrete ``ids`` index a table of ``limit`` rows: every one in ``[0, limit)`` (``jnp.take`` would
+    read an out-of-range row as NaN, and a negative one from the end). Traced ids are not read."""
+    if not _validate.is_concrete(ids):
+        return
+    a = np.asarray(jax.device_get(ids))
+    if a.size and (a.min() < 0 or a.max() >= limit):
+        raise ValueError(f"{fn}: `{name}` must be in [0, {limit_name}={limit}), got values from {a.min()} to {a.max()}")
+
+
 def _at_model_precision(method):
     """Run a Decoder entry point (and so its backward pass) at ``cfg.matmul_precision``."""
     @functools.wraps(method)
@@ -315,9 +327,30 @@ class Decoder(nnx.Module):
         return jnp.bfloat16 if self.cfg.dtype == "bfloat16" else jnp.float32
 
     def _check_tokens(self, fn: str, tokens: Array, rank: int) -> None:
+        name = "tokens" if rank == 2 else "token"  # the entry point's argument
         if tokens.ndim != rank or not jnp.issubdtype(tokens.dtype, jnp.integer):
             want = "[B,T]" if rank == 2 else "[B]"
-            raise ValueError(f"Decoder.{fn}: `tokens` must be an integer array {want}, got {tokens.dtype}{tuple(tokens.shape)}")
+            raise ValueError(f"Decoder.{fn}: `{name}` must be an integer array {want}, "
+                             f"got {tokens.dtype}{tuple(tokens.shape)}")
+        _check_ids(f"Decoder.{fn}", name, tokens, self.cfg.vocab_size, "vocab_size")
+
+    def _check_cache(self, fn: str, cache: DecoderCache, batch: int, new_tokens: int) -> None:
+        """``cache`` is this model's :class:`DecoderCache` for ``batch`` rows, and (learned positions, concrete
+        lengths) ``new_tokens`` more fit the position table. Each layer checks its own cache."""
+        fn = f"Decoder.{fn}"
+        if not isinstance(cache, DecoderCache):
+            raise ValueError(f"{fn}: `cache` must be a DecoderCache (see Decoder.init_cache), "
+                             f"got {type(cache).__name__}")
+        if not isinstance(cache.layers, tuple) or len(cache.layers) != len(self.groups_spec):
+            got = len(cache.layers) if isinstance(cache.layers, tuple) else type(cache.layers).__name__
+            raise ValueError(f"{fn}: `cache.layers` must hold one cache per layer group ({len(self.groups_spec)} "
+                             f"for pattern {self.cfg.pattern!r}), got {got}")
+        _validate.check_cache_length(fn, cache.length, batch)
+        if self.pos is not None and _validate.is_concrete(cache.length):
+            last = _validate.max_filled(cache.length) + new_tokens - 1
+            if last >= self.cfg.max_seq_len:
+                raise ValueError(f"{fn}: position {last} exceeds the learned position table "
+                                 f"(max_seq_len={self.cfg.max_seq_len})")
 
     def embed_tokens(self, tokens: Array, positions: Array) -> Array:
         """``tokens [B, T]`` at ``positions [B, T]`` -> the residual stream's input ``[B, T, d]``
@@ -386,8 +419,16 @@ class Decoder(nnx.Module):
         B, T = tokens.shape
         if self.pos is not None and T > self.cfg.max_seq_len:
             raise ValueError(f"Decoder.forward: sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
+        _validate.check_segment_ids("Decoder.forward", segment_ids, B, T)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        else:
+            _validate.require_shape("Decoder.forward", "positions", positions, (B, T), "[B,T] (as tokens)")
+            dtype = positions.dtype if hasattr(positions, "dtype") else np.asarray(positions).dtype
+            if not jnp.issubdtype(dtype, jnp.integer):
+                raise ValueError(f"Decoder.forward: `positions` must be an integer array, got dtype {dtype}")
+            if self.pos is not None:
+                _check_ids("Decoder.forward", "positions", positions, self.cfg.max_seq_len, "max_seq_len")
         h, _, stats = self._run(self.embed_tokens(tokens, positions), None, "train", segment_ids)
         return self.output_logits(h), {"moe": stats}
 
@@ -409,7 +450,9 @@ class Decoder(nnx.Module):
     def prefill(self, tokens: Array, cache: DecoderCache, *, segment_ids: Optional[Array] = None):
         """Run a prompt ``[B, T]`` after what ``cache`` holds; ``(logits [B, T, vocab], cache)``."""
         self._check_tokens("prefill", tokens, 2)
-        T = tokens.shape[1]
+        B, T = tokens.shape
+        self._check_cache("prefill", cache, B, T)
+        _validate.check_segment_ids("Decoder.prefill", segment_ids, B, T)
         positions = cache.length[:, None] + jnp.arange(T)[None, :]
         h, layers, _ = self._run(self.embed_tokens(tokens, positions), cache.layers, "prefill", segment_ids)
         return self.output_logits(h), DecoderCache(layers, cache.length + T)
@@ -418,6 +461,7 @@ class Decoder(nnx.Module):
     def decode(self, token: Array, cache: DecoderCache):
         """One token per row ``[B]`` -> ``(logits [B, vocab], cache)``."""
         self._check_tokens("decode", token, 1)
+        self._check_cache("decode", cache, token.shape[0], 1)
         h, layers, _ = self._run(self.embed_tokens(token[:, None], cache.length[:, None]), cache.layers, "decode", None)
         return self.output_logits(h)[:, 0], DecoderCache(layers, cache.length + 1)
 

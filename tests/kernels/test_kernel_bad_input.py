@@ -1,0 +1,60 @@
+"""The kernels' public entry points (``chunk_delta_rule``, ``chunk_gated_delta_rule``, ``chunk_kda``)
+refuse bad arrays with a ValueError naming the function and the argument, before any kernel runs;
+traced values are not read."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.delta import api as kd
+
+B, T, H, D = 1, 8, 2, 4
+r = np.random.default_rng(0)
+q = jnp.asarray(r.normal(size=(B, T, H, D)), jnp.float32)
+k = jnp.asarray(r.normal(size=(B, T, H, D)), jnp.float32)
+v = jnp.asarray(r.normal(size=(B, T, H, D)), jnp.float32)
+beta = jnp.full((B, T, H), 0.5)
+g_s = jnp.full((B, T, H), -0.1)
+g_c = jnp.full((B, T, H, D), -0.1)
+nan = float("nan")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: kd.chunk_delta_rule(q[0], k, v, beta), r"chunk_delta_rule: `q` must be \[B, T, H, K\]"),
+    (lambda: kd.chunk_delta_rule(q, jnp.zeros((B, T, 3, D)), v, beta), r"chunk_delta_rule: `k` must have shape"),
+    (lambda: kd.chunk_delta_rule(q, jnp.zeros((B, T, H, 5)), v, beta), r"chunk_delta_rule: `k` must have shape"),
+    (lambda: kd.chunk_delta_rule(q, k, jnp.zeros((B, 7, H, D)), beta), r"chunk_delta_rule: `v` must be"),
+    (lambda: kd.chunk_delta_rule(q, k, v, None), r"chunk_delta_rule: `beta` is required"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta[..., None]), r"chunk_delta_rule: `beta` must have shape"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, initial_state=jnp.zeros((B, H, 2, 2))),
+     r"chunk_delta_rule: `initial_state` must have shape"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, initial_state=jnp.zeros((B, H, 8, 8))),
+     r"chunk_delta_rule: `initial_state` must have shape"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, segment_ids=jnp.zeros((B, T + 1), jnp.int32)),
+     r"chunk_delta_rule: `segment_ids` must have shape"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, segment_ids=jnp.zeros((B, T))),
+     r"chunk_delta_rule: `segment_ids` must be an integer array"),
+    (lambda: kd.chunk_gated_delta_rule(q, k, v, g_c, beta), r"chunk_gated_delta_rule: `g` must have shape"),
+    (lambda: kd.chunk_gated_delta_rule(q, k, v, None, beta), r"chunk_gated_delta_rule: `g` is required"),
+    (lambda: kd.chunk_kda(q, k, v, g_s, beta), r"chunk_kda: `g` must have shape \[B, T, H, K\]"),
+    # values, on concrete arrays
+    (lambda: kd.chunk_gated_delta_rule(q, k, v, -g_s, beta), r"chunk_gated_delta_rule: `g` \(log-decay\) must be <= 0"),
+    (lambda: kd.chunk_kda(q, k, v, g_c.at[0, 0, 0, 0].set(nan), beta), r"chunk_kda: `g` has 1 non-finite"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta.at[0, 1, 1].set(nan)), r"chunk_delta_rule: `beta` has 1 non-finite"),
+    (lambda: kd.chunk_kda(q, k, v, g_c, beta, initial_state=jnp.full((B, H, D, D), jnp.inf)),
+     r"chunk_kda: `initial_state` has 32 non-finite"),
+])
+def test_entry_points_name_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_traced_values_are_not_read(monkeypatch):
+    """Under tracing the shape checks run and the values are left alone (the kernels are stubbed out:
+    only the entry point's checks are traced)."""
+    monkeypatch.setattr(kd, "_delta", lambda q, k, v, g, beta, **kw: (v, None))
+    out = jax.eval_shape(lambda g: kd.chunk_kda(q, k, v, g, beta), g_c.at[0, 0, 0, 0].set(nan))
+    assert out[0].shape == (B, T, H, D)
+    with pytest.raises(ValueError, match=r"chunk_kda: `g` must have shape"):
+        jax.eval_shape(lambda g: kd.chunk_kda(q, k, v, g, beta), g_s)

@@ -1,0 +1,208 @@
+"""Bad input to the layers, ModelConfig and the Decoder gets a ValueError naming the argument (or
+field), before anything is computed or changed; traced values are not read."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lineage_jax.layers.attention import Attention
+from lineage_jax.layers.ffn import MLP
+from lineage_jax.layers.memory_mixer import MemoryMixer
+from lineage_jax.layers.mla import MLA
+from lineage_jax.layers.moe import MoE, RouterStats
+from lineage_jax.models.config import ModelConfig
+from lineage_jax.models.decoder import Decoder
+
+Dm, T = 8, 8
+x = jnp.asarray(np.random.default_rng(0).normal(size=(1, T, Dm)), jnp.float32)
+nan = float("nan")
+
+
+def mixer(**kw):
+    return MemoryMixer(Dm, **{**dict(rule="kda", num_heads=2, head_dim=4), **kw}, rngs=nnx.Rngs(0))
+
+
+def moe(**kw):
+    return MoE(Dm, **{**dict(num_experts=4, top_k=2, expert_hidden=8), **kw}, rngs=nnx.Rngs(0))
+
+
+def mla():
+    return MLA(Dm, num_heads=2, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4,
+               rngs=nnx.Rngs(0))
+
+
+def config(**kw):
+    return ModelConfig(**{**dict(d_model=16, num_heads=2, ffn_hidden=32, vocab_size=32, max_seq_len=16), **kw})
+
+
+# ---------------------------------------------------------------------------- constructors
+@pytest.mark.parametrize("build, match", [
+    (lambda: mixer(v_head_dim=0), "MemoryMixer: `v_head_dim` must be a positive int"),
+    (lambda: mixer(v_head_dim=2.0), "MemoryMixer: `v_head_dim` must be a positive int"),
+    (lambda: mixer(gate_rank=2.5), "MemoryMixer: `gate_rank` must be a positive int"),
+    (lambda: mixer(conv_size=2.5), "MemoryMixer: `conv_size` must be an int"),
+    (lambda: mixer(norm_eps=-1.0), "MemoryMixer: `norm_eps` must be a positive finite number"),
+    (lambda: mixer(norm_eps=nan), "MemoryMixer: `norm_eps`"),
+    (lambda: mixer(kda_gate="bounded", gate_bound=10.0), "MemoryMixer: `gate_bound` must be a number in"),
+    (lambda: Attention(0, num_heads=2, head_dim=4, rngs=nnx.Rngs(0)), "Attention: `d_model` must be a positive int"),
+    (lambda: Attention(Dm, num_heads=2.0, head_dim=4, rngs=nnx.Rngs(0)), "Attention: `num_heads`"),
+    (lambda: MLP(0, 16, rngs=nnx.Rngs(0)), "MLP: `d_model` must be a positive int"),
+    (lambda: MLP(Dm, 16.0, rngs=nnx.Rngs(0)), "MLP: `hidden` must be a positive int"),
+    (lambda: moe(expert_hidden=8.0), "MoE: `expert_hidden` must be a positive int"),
+    (lambda: moe(top_k=1.5), "MoE: `top_k` must be an int"),
+    (lambda: moe(num_experts=4.0), "MoE: `num_experts` must be a positive int"),
+    (lambda: moe(latent_dim=2.5), "MoE: `latent_dim` must be a positive int"),
+    (lambda: moe(num_shared_experts=1.0), "MoE: `num_shared_experts` must be an int"),
+    (lambda: moe(num_shared_experts=1, shared_hidden=4.0), "MoE: `shared_hidden` must be a positive int"),
+    (lambda: moe(routed_scaling_factor=nan), "MoE: `routed_scaling_factor` must be a positive finite"),
+    (lambda: moe(routed_scaling_factor=-1.0), "MoE: `routed_scaling_factor`"),
+    (lambda: mixer().init_cache(0), "MemoryMixer.init_cache: `batch` must be a positive int"),
+    (lambda: mla().init_cache(True, 8), "MLA.init_cache: `batch` must be a positive int"),
+])
+def test_constructors_name_the_argument(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+# ---------------------------------------------------------------------------- ModelConfig
+@pytest.mark.parametrize("field, value, extra", [
+    ("num_experts", "4", {}), ("num_experts", 2.5, {}), ("first_dense_layers", "1", {}),
+    ("attnres_block", 1.5, {"pattern": "SS"}), ("scan_period", 1.5, {"pattern": "SSSS"}),
+    ("kda_gate_rank", 2.5, {"pattern": "KK"}), ("conv_size", "4", {"pattern": "K"}),
+    ("top_k", 1.5, {"num_experts": 4, "moe_hidden": 8}), ("moe_hidden", 8.0, {"num_experts": 4, "top_k": 2}),
+    ("routed_scaling_factor", nan, {"num_experts": 4, "top_k": 2, "moe_hidden": 8}),
+    ("rope_factor", "2", {"positions": "rope", "rope_scaling": "yarn"}),
+    ("mixer_norm_eps", -1.0, {}),
+    ("tie_embeddings", "no", {}), ("attn_bias", "no", {}), ("silu_v", "no", {}), ("allow_neg_eigval", "no", {}),
+    ("kda_output_gate_bias", 1, {}), ("rope_truncate", 0, {}), ("mla_output_gate", "no", {}),
+    ("mla_rope", "no", {"pattern": "M", "kv_lora_rank": 4, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2,
+                        "v_head_dim": 4}),
+])
+def test_config_fields_are_typed(field, value, extra):
+    with pytest.raises(ValueError, match=f"^ModelConfig.{field}: "):
+        config(**extra, **{field: value})
+
+
+# ---------------------------------------------------------------------------- MemoryMixer
+def test_mixer_checks_segment_ids_and_cache_first():
+    m = mixer()
+    c = m.init_cache(1)
+    for call, match in [
+        (lambda: m(x, segment_ids=jnp.zeros((1, 9), jnp.int32)), r"MemoryMixer.__call__: `segment_ids`"),
+        (lambda: m(x, segment_ids=jnp.zeros((T,), jnp.int32)), r"MemoryMixer.__call__: `segment_ids`"),
+        (lambda: m.prefill(x, c, segment_ids=jnp.zeros((1, 9), jnp.int32)), r"MemoryMixer.prefill: `segment_ids`"),
+        (lambda: m.prefill(x, m.init_cache(2)), r"MemoryMixer.prefill: `cache.conv` must have shape"),
+        (lambda: m.prefill(x, c._replace(conv=c.conv[:, :1])), r"MemoryMixer.prefill: `cache.conv`"),
+        (lambda: m.prefill(x, (c.conv, c.state)), r"MemoryMixer.prefill: `cache` must be a MemoryCache"),
+        (lambda: m.prefill(x, None), r"MemoryMixer.prefill: `cache` must be a MemoryCache"),
+        (lambda: m.decode(x[:, 0], c._replace(conv=None)), r"MemoryMixer.decode: `cache.conv` is required"),
+        (lambda: m.decode(x[:, 0], m.init_cache(2)), r"MemoryMixer.decode: `cache.conv`"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_mixer_decode_refuses_a_cache_of_another_layout():
+    lin = mixer(rule="linear", conv_size=0)
+    c = lin.init_cache(1)
+    with pytest.raises(ValueError, match=r"linear_attention_step: with `normalize=True`, `state` must be a pair"):
+        lin.decode(x[:, 0], c._replace(state=c.state[0]))  # a bare S would run unnormalized attention
+    with pytest.raises(ValueError, match=r"MemoryMixer.decode: `cache.conv` must be None"):
+        lin.decode(x[:, 0], mixer().init_cache(1))
+
+
+# ---------------------------------------------------------------------------- Attention, MLA
+def test_attention_and_mla_check_their_caches():
+    a = Attention(Dm, num_heads=2, head_dim=4, rngs=nnx.Rngs(0))
+    ca = a.init_cache(1, 16)
+    with pytest.raises(ValueError, match=r"Attention.prefill: `cache` must be a KVCache"):
+        a.prefill(x, tuple(ca))
+    with pytest.raises(ValueError, match=r"Attention.decode: `cache.k` must have shape"):
+        a.decode(x[:, 0], a.init_cache(2, 16))
+    with pytest.raises(ValueError, match=r"Attention.prefill: `cache.length` must be >= 0"):
+        a.prefill(x, ca._replace(length=jnp.full((1,), -2, jnp.int32)))
+    m = mla()
+    cm = m.init_cache(1, 16)
+    with pytest.raises(ValueError, match=r"MLA.decode: `cache.length` must be >= 0, got -2"):
+        m.decode(x[:, 0], cm._replace(length=jnp.full((1,), -2, jnp.int32)))
+    with pytest.raises(ValueError, match=r"MLA.prefill: `cache.length` must be an integer array"):
+        m.prefill(x, cm._replace(length=jnp.zeros((1,))))
+
+
+# ---------------------------------------------------------------------------- MoE bias update
+def test_moe_update_bias_refuses_bad_rate_and_stats_and_keeps_the_bias():
+    e = moe()
+    stats = RouterStats(expert_counts=jnp.full((4,), 4, jnp.int32), load=jnp.full((4,), 0.25),
+                        tokens_dropped=jnp.zeros((), jnp.int32), scores=jnp.full((T, 4), 0.5))
+    before = np.asarray(e.router_bias[...]).copy()
+    for kw, match in [
+        (dict(rate=nan), "MoE.update_bias: `rate` must be a finite number >= 0"),
+        (dict(rate=jnp.float32(-1.0)), "MoE.update_bias: `rate` must be a finite number >= 0"),
+        (dict(rate="0.1"), "MoE.update_bias: `rate` must be a real number"),
+        (dict(rate=0.1, stats=stats._replace(expert_counts=jnp.zeros((3,), jnp.int32))),
+         "MoE.update_bias: `stats.expert_counts` must have shape"),
+        (dict(rate=0.1, rule="quantile", stats=stats._replace(scores=stats.scores[:, :3])),
+         "MoE.update_bias: `stats.scores` must have shape"),
+        (dict(rate=0.1, stats=(stats.expert_counts,)), "MoE.update_bias: `stats` must be the RouterStats"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            e.update_bias(**{"stats": stats, **kw})
+    np.testing.assert_array_equal(np.asarray(e.router_bias[...]), before)
+
+
+# ---------------------------------------------------------------------------- Decoder
+@pytest.fixture(scope="module")
+def learned():
+    return Decoder(config(pattern="SK", positions="learned", chunk_size=16), rngs=nnx.Rngs(0))
+
+
+tok = jnp.arange(T, dtype=jnp.int32)[None]
+
+
+def test_decoder_refuses_ids_outside_its_tables(learned):
+    m = learned
+    for call, match in [
+        (lambda: m.forward(tok.at[0, 3].set(40)), r"Decoder.forward: `tokens` must be in \[0, vocab_size=32\)"),
+        (lambda: m.forward(tok.at[0, 3].set(-1)), r"Decoder.forward: `tokens` must be in \[0, vocab_size=32\)"),
+        (lambda: m.decode(jnp.array([99], jnp.int32), m.init_cache(1, 32)), r"Decoder.decode: `token` must be in"),
+        (lambda: m.forward(tok, positions=jnp.arange(9)[None]), r"Decoder.forward: `positions` must have shape"),
+        (lambda: m.forward(tok, positions=jnp.arange(8.0)[None]), r"Decoder.forward: `positions` must be an integer"),
+        (lambda: m.forward(tok, positions=jnp.arange(8)[None] + 12),
+         r"Decoder.forward: `positions` must be in \[0, max_seq_len=16\)"),
+        (lambda: m.prefill(jnp.zeros((1, 20), jnp.int32), m.init_cache(1, 32)),
+         r"Decoder.prefill: position 19 exceeds the learned position table \(max_seq_len=16\)"),
+        (lambda: m.decode(tok[:, 0], m.init_cache(1, 32)._replace(length=jnp.full((1,), 16, jnp.int32))),
+         r"Decoder.decode: position 16 exceeds"),
+        (lambda: m.forward(tok, segment_ids=jnp.zeros((1, 9), jnp.int32)), r"Decoder.forward: `segment_ids`"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_decoder_checks_its_cache(learned):
+    m = learned
+    other = Decoder(config(pattern="KS", positions="learned", chunk_size=16), rngs=nnx.Rngs(0))
+    c = m.init_cache(1, 32)
+    for call, match in [
+        (lambda: m.prefill(tok, m.init_cache(2, 32)),
+         r"Decoder.prefill: `cache.length` has batch 2, the input has batch 1"),
+        (lambda: m.decode(tok[:, 0], m.init_cache(2, 32)), r"Decoder.decode: `cache.length` has batch 2"),
+        (lambda: m.prefill(tok, tuple(c)), r"Decoder.prefill: `cache` must be a DecoderCache"),
+        (lambda: m.prefill(tok, None), r"Decoder.prefill: `cache` must be a DecoderCache"),
+        (lambda: m.prefill(tok, c._replace(layers=c.layers[:1])), r"Decoder.prefill: `cache.layers` must hold one"),
+        (lambda: m.prefill(tok, other.init_cache(1, 32)), r"Attention.prefill: `cache` must be a KVCache"),
+        (lambda: m.decode(tok[:, 0], c._replace(length=jnp.full((1,), -5, jnp.int32))),
+         r"Decoder.decode: `cache.length` must be >= 0, got -5"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_decoder_does_not_read_traced_tokens(learned):
+    graphdef, state = nnx.split(learned)
+    step = lambda st, t, c: nnx.merge(graphdef, st).prefill(t, c)  # traced as under jit; nothing runs
+    bad = learned.init_cache(1, 32)._replace(length=jnp.full((1,), 20, jnp.int32))
+    logits, _ = jax.eval_shape(step, state, tok.at[0, 3].set(40), bad)
+    assert logits.shape == (1, T, 32)
