@@ -54,7 +54,9 @@ def test_logits_match_transformers(family):
         logits = np.asarray(_call(model, jnp.asarray(ref["prompts"], jnp.int32)))
     assert logits.shape == ref["logits"].shape
     err = np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"]))
-    assert err <= 1e-4, f"{family}: max relative logit error {err:.2e}"
+    # Measured: gpt2 3.4e-7, kimi_linear 2.0e-6, deepseek_v3 6.5e-7 (an epsilon of 1e-6 instead of 1e-5 in
+    # Kimi Linear's block norms moves its logits by 5.9e-5).
+    assert err <= 1e-5, f"{family}: max relative logit error {err:.2e}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -157,7 +159,7 @@ def test_bfloat16_load():
     ref = _ref("gpt2")
     logits = np.asarray(_call(model, jnp.asarray(ref["prompts"], jnp.int32)))
     err = np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"]))
-    assert err < 0.1
+    assert err < 2e-2, err  # measured: 7.7e-3 (bf16 weights and activations against float32 transformers)
 
 
 # ---------------------------------------------------------------------------- bad input

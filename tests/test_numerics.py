@@ -63,11 +63,12 @@ def test_gradients_run_at_the_model_precision():
     assert precs and all("HIGHEST" in p for p in precs), precs
 
 
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="on a CPU the default and the highest precision "
+                    "compile the same float32 products: the comparison cannot fail there")
 @pytest.mark.default_precision
 @pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_kda", "tiny_mla"])
 def test_default_precision_is_within_its_tolerance_of_float32(name):
-    """On a CPU both are float32 (equal to rounding); on a GPU TF32 stays within the tolerance the
-    suite gives that precision."""
+    """On a GPU TF32 (on a TPU one bf16 pass) stays within the tolerance the suite gives that precision."""
     fn, state, tokens = _model_fn(name)
     ref_fn, _, _ = _model_fn(name, matmul_precision="highest")
     got, ref = jax.jit(fn)(state, tokens), jax.jit(ref_fn)(state, tokens)

@@ -16,14 +16,30 @@ def schedule(cfg: TrainConfig) -> optax.Schedule:
         decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
 
 
+NO_DECAY = ("scale", "bias", "A_log", "dt_bias", "res_query", "final_query")
+
+
 def decay_mask(params):
-    """Decay matrices only: no weight decay on norms, biases, gates' scalars or embedding tables."""
+    """Decay matrices only: no weight decay on norms, biases (``bias``, ``*_bias``), gates' scalars or
+    embedding tables. A weight is a matrix when it has two axes besides a scanned stack's ``layers``
+    axis (read from its ``logical_axes``; ``ndim`` where a leaf has none)."""
     def keep(path, leaf):
         names = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
-        if any(n in ("embed", "pos") for n in names[:1]):
+        if names[:1] and names[0] in ("embed", "pos"):
             return False
-        return getattr(leaf, "ndim", 0) >= 2 and not any(n in ("scale", "bias", "A_log", "dt_bias", "res_query", "final_query") for n in names)
-    return jax.tree_util.tree_map_with_path(keep, params)
+        if any(n in NO_DECAY or n.endswith("_bias") for n in names):
+            return False
+        axes = leaf.get_metadata().get("logical_axes") if isinstance(leaf, nnx.Variable) else None
+        if axes:
+            return sum(a != "layers" for a in axes) >= 2
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        return getattr(value, "ndim", 0) >= 2
+
+    def mark(path, leaf):
+        k = keep(path, leaf)
+        return leaf.replace(value=k) if isinstance(leaf, nnx.Variable) else k
+
+    return jax.tree_util.tree_map_with_path(mark, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 BATCH_AXES = ("layers", "heads", "kv_heads", "experts")

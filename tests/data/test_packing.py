@@ -57,12 +57,26 @@ def test_segments_and_mask_follow_eos():
     assert set(np.unique(mask)) == {0.0, 1.0}
 
 
-def test_deterministic():
-    docs = random_docs(2)
-    a = pack_documents(docs, seq_len=8, eos_id=EOS, vocab_size=256)
-    b = pack_documents(docs, seq_len=8, eos_id=EOS, vocab_size=256)
-    for k in FIELDS:
-        np.testing.assert_array_equal(a[k], b[k])
+@pytest.mark.parametrize("seed, T", [(2, 8), (3, 1), (4, 37)])
+def test_rows_match_a_direct_reference(seed, T):
+    """Every field of every row against the module doc's definition, computed here from the documents:
+    the stream ``doc_0 EOS doc_1 EOS ...``, row ``i`` its window ``[i*T, i*T + T]``, a token's document
+    the number of EOS before it; rows read in a random order equal ``pack_documents``'."""
+    docs = random_docs(seed)
+    stream = np.concatenate([np.append(np.asarray(d), EOS) for d in docs])
+    doc_of = np.concatenate([[0], np.cumsum(stream == EOS)[:-1]])   # EOS strictly before each position
+    n = (len(stream) - 1) // T
+    rows = pack_documents(docs, seq_len=T, eos_id=EOS, vocab_size=256)
+    assert all(rows[k].shape == (n, T) for k in FIELDS)
+    src = PackedSource(TokenizedCorpus.from_documents(docs, eos_id=EOS, vocab_size=256), T)
+    for i in np.random.default_rng(seed).permutation(n):
+        x, d = stream[i * T: i * T + T + 1], doc_of[i * T: i * T + T + 1]
+        want = {"tokens": x[:-1], "targets": x[1:], "segment_ids": d[:-1] - d[0] + 1,
+                "mask": (d[1:] == d[:-1]).astype(np.float32)}
+        got = src[i]
+        for k in FIELDS:
+            np.testing.assert_array_equal(rows[k][i], want[k], err_msg=f"row {i} {k}")
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"row {i} {k}")
 
 
 def test_bad_arguments():

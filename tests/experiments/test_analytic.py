@@ -182,7 +182,8 @@ def test_accountant_headline_ratio(acct):
     ratio = acct["ratio_total_vs_gpt2_small"]
     assert ratio == k3["total"] / small["total"]
     assert 22_300 <= ratio < 22_700  # the headline 22,580 is 2.8T / 124M rounded
-    assert acct["seed_headline_ratio"] == pytest.approx(22_580, abs=1)
+    # the computed ratio agrees with the published one (2.8T / 124M) within that one's rounding
+    assert ratio == pytest.approx(acct["seed_headline_ratio"], rel=0.02)
     _assert_files(acct)
 
 

@@ -241,7 +241,7 @@ def test_attention_impl_reaches_every_softmax_and_mla_layer():
 
 def test_fused_attention_impls_give_the_same_model():
     """A softmax + MLA model: impl 'xla' (blockwise) and 'pallas' (interpret mode here) give the
-    same logits and gradients."""
+    same loss (the mean square of the logits) and gradients."""
     cfg = get_config("tiny_kda").replace(pattern="SM", positions="rope", kv_lora_rank=32,
                                          qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     tokens = jax.random.randint(jax.random.key(5), (2, 21), 0, cfg.vocab_size)
@@ -250,9 +250,13 @@ def test_fused_attention_impls_give_the_same_model():
     def loss(m):
         return jnp.mean(m(tokens, segment_ids=seg) ** 2)
 
-    grads = [nnx.jit(nnx.grad(loss))(Decoder(cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0)))
-             for impl in ("xla", "pallas")]
-    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+    (l_x, g_x), (l_p, g_p) = [nnx.jit(nnx.value_and_grad(loss))(Decoder(cfg.replace(attention_impl=impl),
+                                                                           rngs=nnx.Rngs(0)))
+                              for impl in ("xla", "pallas")]
+    # Measured equal on the CPU (interpret mode: the same float32 products); on a GPU JAX's Triton kernel
+    # takes its own (TF32) precision, bound as the gradients.
+    assert abs(float(l_x) - float(l_p)) <= (1e-6 if jax.default_backend() == "cpu" else 1e-4) * abs(float(l_x))
+    for a, b in zip(jax.tree.leaves(g_x), jax.tree.leaves(g_p)):
         assert rel(a, b) <= 1e-4
 
 

@@ -12,13 +12,13 @@ import pytest
 from flax import nnx
 
 from lineage_jax.layers import moe as M
-from tests._numerics import fp32_matmuls, rel_err  # noqa: F401 (fp32_matmuls: fixture)
+from tests._numerics import fp32_matmuls, rel_err
 
 D, E, K, H = 16, 8, 2, 12
 B, T = 2, 24
 
 
-pytestmark = pytest.mark.usefixtures("fp32_matmuls")
+pytestmark = pytest.mark.usefixtures(fp32_matmuls.__name__)
 
 
 def make(seed=0, **kw):
@@ -285,6 +285,66 @@ def test_ragged_dispatch_gradients_equal_the_dropless_capacity_ones():
     flat_c = dict(nnx.to_flat_state(gm_c))
     for path, g in nnx.to_flat_state(gm_r):
         assert rel_err(g[...], flat_c[path][...]) < 1e-5, path
+
+
+def _jnp_moe(p, x, bias, model):
+    """A differentiable jnp reference of the layer (float64 under ``jax.enable_x64``), written out here: every
+    expert on every token, weighted by the renormalised sigmoid scores of the top-k selection (the
+    selection itself, by ``scores + bias``, carries no gradient). ``p``: ``"/"``-joined parameter paths."""
+    xf = x.reshape(-1, x.shape[-1])
+    scores = 1 / (1 + jnp.exp(-(xf @ p["router"])))
+    _, idx = jax.lax.top_k(jax.lax.stop_gradient(scores) + bias, model.top_k)
+    selected = jnp.sum(jax.nn.one_hot(idx, model.num_experts, dtype=scores.dtype), axis=1)     # [N, E] 0/1
+    chosen = scores * selected
+    gate_w = chosen / jnp.sum(chosen, -1, keepdims=True) * model.routed_scaling_factor
+
+    def gated(z, w_gate, w_up, w_down):
+        g, u = z @ w_gate, z @ w_up
+        if model.activation == "swiglu":
+            h = g / (1 + jnp.exp(-g)) * u
+        else:
+            h = 4 * jnp.tanh(g / 4) / (1 + jnp.exp(-g)) * (25 * jnp.tanh(u / 25))
+        return h @ w_down
+
+    z = xf @ p["down_proj/kernel"] if "down_proj/kernel" in p else xf
+    routed = sum(gate_w[:, e:e + 1] * gated(z, p["w_gate"][e], p["w_up"][e], p["w_down"][e])
+                 for e in range(model.num_experts))
+    if "up_proj/kernel" in p:
+        normed = routed / jnp.sqrt(jnp.mean(routed ** 2, -1, keepdims=True) + 1e-6) * p["latent_norm/scale"]
+        y = normed @ p["up_proj/kernel"]
+    else:
+        y = routed
+    if "shared/gate/kernel" in p:
+        y = y + gated(xf, p["shared/gate/kernel"], p["shared/up/kernel"], p["shared/down/kernel"])
+    return y.reshape(x.shape)
+
+
+@pytest.mark.parametrize("dispatch", ["ragged", "capacity"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gradients_match_a_differentiable_reference(name, dispatch):
+    """The gradients of the input and of every parameter (the router's through the renormalised
+    weights included) against a float64 jnp re-derivation of the layer, with a nonzero router bias."""
+    model = make(23, dispatch=dispatch, capacity_factor=no_drop_factor(), **CONFIGS[name])
+    model.router_bias[...] = jnp.asarray(np.random.default_rng(24).normal(scale=0.1, size=E), jnp.float32)
+    x, target = inputs(25), inputs(26)
+    gm, gx = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] * target), argnums=(0, 1)))(model, x)
+    got = {"/".join(map(str, path)): np.asarray(g[...]) for path, g in nnx.to_flat_state(gm)}
+    params = {"/".join(map(str, path)): np.asarray(v[...], np.float64)
+              for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert set(got) == set(params) and "router" in params
+    with jax.enable_x64(True):
+        bias = jnp.asarray(np.asarray(model.router_bias[...], np.float64))
+        t64 = jnp.asarray(np.asarray(target, np.float64))
+        loss = lambda p, x: jnp.sum(_jnp_moe(p, x, bias, model) * t64)
+        want, want_x = jax.jit(jax.grad(loss, argnums=(0, 1)))({k: jnp.asarray(v) for k, v in params.items()},
+                                                               jnp.asarray(np.asarray(x, np.float64)))
+        want, want_x = {k: np.asarray(v) for k, v in want.items()}, np.asarray(want_x)
+    # Measured (float32 layer against the float64 reference, max error over the largest entry): the input's
+    # at most 4.1e-7, the parameters' at most 6.0e-7.
+    assert rel_err(gx, want_x) < 2e-6
+    for k in params:
+        assert np.any(want[k] != 0), k
+        assert rel_err(got[k], want[k]) < 2e-6, (k, rel_err(got[k], want[k]))
 
 
 def test_permute_rows_gradient_is_a_gather():

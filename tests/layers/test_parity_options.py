@@ -1,7 +1,7 @@
 """The options that loading transformers' checkpoints needs (each off by default): norm epsilons,
 YaRN RoPE and the MLA softmax scale, group-limited routing, SiLU on v without a conv, a bias on
 KDA's output gate and negative-eigenvalue β. Each: decode after prefill equals the training call,
-gradients are finite, and the option changes what it should."""
+gradients match finite differences, and the option changes what it should."""
 
 import math
 
@@ -16,6 +16,7 @@ from lineage_jax.layers.memory_mixer import MemoryMixer
 from lineage_jax.layers.mla import MLA
 from lineage_jax.layers.moe import select_experts
 from lineage_jax.models import Decoder, ModelConfig, get_config
+from tests.layers.test_mixers import check_gradients
 from tests.layers.test_models import check_decode_after_prefill
 
 D = 24
@@ -28,12 +29,11 @@ def rel(a, b):
 call = nnx.jit(lambda m, x: m(x))
 prefill = nnx.jit(lambda m, x, c: m.prefill(x, c))
 decode = nnx.jit(lambda m, x, c: m.decode(x, c))
-grad = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x) ** 2)))
 
 
 def _consistent(layer, T=9, P=5, grads=True):
     """Prefill P tokens then decode the rest; each output equals the whole-sequence call; with
-    ``grads``, the gradients are finite and not all zero."""
+    ``grads``, every parameter's gradient (and the input's) matches finite differences."""
     x = jax.random.normal(jax.random.key(1), (2, T, D))
     with jax.default_matmul_precision("highest"):
         y = call(layer, x)
@@ -43,10 +43,9 @@ def _consistent(layer, T=9, P=5, grads=True):
         for t in range(P, T):
             y_t, cache = decode(layer, x[:, t], cache)
             assert rel(y_t, y[:, t]) <= 1e-5, t
-    if not grads:
-        return y
-    leaves = jax.tree.leaves(nnx.state(grad(layer, x), nnx.Param))
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves) and any(float(jnp.max(jnp.abs(g))) > 0 for g in leaves)
+    if grads:
+        # Measured (float32, step 1e-3): worst error 5.7e-3 (kda with a full, biased output gate: dt_bias).
+        check_gradients(layer, x)
     return y
 
 

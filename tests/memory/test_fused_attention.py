@@ -1,4 +1,5 @@
-"""Fused softmax attention: every ``impl`` against the float64 reference, forward and every gradient."""
+"""Fused softmax attention: every ``impl`` against the float64 reference, forward and every gradient, causal and
+bidirectional."""
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,23 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+def _jnp_attention(q, k, v, causal, segment_ids):
+    """Whole-matrix softmax attention written out here (grouped heads; causal and document masks, a
+    document starting where the segment id changes), differentiable for the gradient references."""
+    B, T, H, K = q.shape
+    group = H // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("bthk,bshk->bhts", q, k) * K ** -0.5
+    visible = np.ones((B, 1, T, T), bool)
+    if causal:
+        visible &= np.tril(np.ones((T, T), bool))
+    if segment_ids is not None:
+        doc = np.cumsum(naive._resets(segment_ids, B, T), axis=1)
+        visible &= doc[:, None, :, None] == doc[:, None, None, :]
+    p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshv->bthv", p, v)
+
+
 CASES = [  # (B, T, H, Hk, K, V): GQA, MLA-like unequal widths, odd T, T past one key block
     (2, 37, 4, 2, 16, 16),
     (1, 45, 2, 2, 24, 16),
@@ -43,16 +61,17 @@ CASES = [  # (B, T, H, Hk, K, V): GQA, MLA-like unequal widths, odd T, T past on
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("segments", [False, True], ids=["whole", "packed"])
-def test_impl_matches_reference_forward_and_grads(impl, case, dtype, segments):
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_impl_matches_reference_forward_and_grads(impl, case, dtype, segments, causal):
     if impl == "cudnn" and dtype == jnp.float32:
         pytest.skip("cuDNN's flash attention takes bf16/fp16 only (an f32 call is refused: see the next test)")
     if impl == "pallas" and case[1] > 100 and not ON_GPU:
         pytest.skip("interpret mode at T=600 is slow on the CPU; the smaller cases cover the kernel's logic")
     B, T, H, Hk, K, Vd = case
-    (q, k, v, do), seg = _inputs(hash((case, segments)) % 2**31, B, T, H, Hk, K, Vd, dtype, segments)
-    f = lambda q, k, v: M.softmax_attention(q, k, v, segment_ids=seg, impl=impl)
+    (q, k, v, do), seg = _inputs(hash((case, segments, causal)) % 2**31, B, T, H, Hk, K, Vd, dtype, segments)
+    f = lambda q, k, v: M.softmax_attention(q, k, v, causal=causal, segment_ids=seg, impl=impl)
     up = lambda a: a.astype(jnp.float64) if jax.config.jax_enable_x64 else a.astype(jnp.float32)
-    want = naive.softmax_attention(*(np.asarray(up(a)) for a in (q, k, v)), causal=True, segment_ids=seg)
+    want = naive.softmax_attention(*(np.asarray(up(a)) for a in (q, k, v)), causal=causal, segment_ids=seg)
     # float32 holds float32 tolerances on every backend (the suite runs at precision "highest"),
     # except JAX's Triton flash kernel, whose dots take their own (TF32) precision on a GPU.
     own_precision = ON_GPU and impl == "pallas"
@@ -60,7 +79,7 @@ def test_impl_matches_reference_forward_and_grads(impl, case, dtype, segments):
     got = jax.jit(f)(q, k, v)
     assert got.dtype == dtype and got.shape == (B, T, H, Vd)
     assert _rel(got, want) < tol
-    ref = lambda q, k, v: M.reference_attention(q, k, v, segment_ids=seg)
+    ref = lambda q, k, v: _jnp_attention(q, k, v, causal, seg)
     for g, w in zip(_grads(f, q, k, v, do), _grads(ref, up(q), up(k), up(v), up(do))):
         assert g.dtype == dtype
         assert _rel(g, w) < (tol if dtype == jnp.bfloat16 else 5e-5 if not own_precision else 1.5e-2)

@@ -119,9 +119,28 @@ def test_overrides_parse_types_and_reject_unknown_keys():
         apply_overrides(TrainConfig(), get_config("tiny_gpt2"), ["steps"])
 
 
+def _named_states(state, name):
+    """The optimiser-state nodes of type ``name`` (named tuples, nested in tuples and dicts)."""
+    if type(state).__name__ == name:
+        return [state]
+    children = state.values() if isinstance(state, dict) else state if isinstance(state, (tuple, list)) else ()
+    return [found for child in children for found in _named_states(child, name)]
+
+
 def test_muon_option_trains(tmp_path):
+    """``optimizer="muon"``: the run trains, and its checkpointed optimiser state is Muon's, counted three
+    steps with a momentum they moved (the loop's steps went through Muon)."""
     out = run(tmp_path / "m", 3, config="tiny_kda", optimizer="muon")
     assert np.isfinite(out["metrics"]["loss"])
+    tc = TrainConfig(config="tiny_kda", steps=3, optimizer="muon", batch_size=2, seq_len=16)
+    _, init, _ = init_state(get_config("tiny_kda"), tc)
+    with Checkpointer(str(tmp_path / "m" / "checkpoints"), async_save=False) as ck:
+        assert ck.latest_step() == 3
+        state, _ = ck.restore(init)
+    muon = _named_states(state.opt_state, "MuonState")
+    assert len(muon) == 1 and int(muon[0].count) == 3
+    moments = [np.asarray(m) for m in jax.tree.leaves(muon[0].mu)]
+    assert moments and sum(bool(np.any(m != 0)) for m in moments) > len(moments) // 2
 
 
 def test_muon_dims_are_per_head_and_skip_tables():
