@@ -90,19 +90,25 @@ def max_filled(length: Any) -> int:
     return int(np.max(jax.device_get(length)))
 
 
-def _host(x: Any) -> np.ndarray:
-    """A concrete array's values on the host, as float64 (read with ``device_get``: ``jnp`` reductions
-    would trace when ``x`` is a constant captured inside ``jit``)."""
-    return np.asarray(jax.device_get(x), dtype=np.float64)
+def _summary(x: Any):
+    """``(non-finite count, smallest and largest finite value)`` of a concrete array, reduced where it
+    lives (three scalars to the host, not the array), or None where that would trace (a constant
+    captured inside ``jit``)."""
+    try:
+        x = jnp.asarray(x)
+        ok = jnp.isfinite(x)
+        out = jax.device_get((jnp.sum(~ok), jnp.min(jnp.where(ok, x, jnp.inf), initial=jnp.inf),
+                              jnp.max(jnp.where(ok, x, -jnp.inf), initial=-jnp.inf)))
+        return int(out[0]), float(out[1]), float(out[2])
+    except jax.errors.ConcretizationTypeError:
+        return None
 
 
 def check_finite(fn: str, name: str, x: Any) -> None:
     """A concrete ``x`` holds no NaN or inf (a traced one is not read)."""
-    if not is_concrete(x):
-        return
-    bad = int(np.sum(~np.isfinite(_host(x))))
-    if bad:
-        raise ValueError(f"{fn}: `{name}` has {bad} non-finite entries (NaN or inf)")
+    summary = _summary(x) if is_concrete(x) else None
+    if summary and summary[0]:
+        raise ValueError(f"{fn}: `{name}` has {summary[0]} non-finite entries (NaN or inf)")
 
 
 def check_cache_length(fn: str, length: Any, batch: int, name: str = "cache.length") -> None:
@@ -123,24 +129,24 @@ def check_cache_length(fn: str, length: Any, batch: int, name: str = "cache.leng
 def check_log_decay(fn: str, name: str, g: Any, lower_bound: float | None = None) -> None:
     """Gates are natural-log decays: finite and <= 0 (alpha = exp(g) in (0, 1]); with ``lower_bound``
     (KDA's ``gate_lower_bound``), also ``>= lower_bound``."""
-    if not is_concrete(g):
+    summary = _summary(g) if is_concrete(g) else None
+    if summary is None:
         return
-    g_np = _host(g)
-    if not np.all(np.isfinite(g_np)):
-        bad = int(np.sum(~np.isfinite(g_np)))
+    bad, low, high = summary
+    if bad:
         raise ValueError(
             f"{fn}: `{name}` (log-decay) has {bad} non-finite entries (NaN or inf); gates must be "
             "finite and <= 0. For a hard reset between documents use `segment_ids`."
         )
-    if np.any(g_np > 0):
+    if high > 0:
         raise ValueError(
             f"{fn}: `{name}` (log-decay) must be <= 0 everywhere (alpha = exp({name}) <= 1); "
-            f"max is {float(g_np.max()):.4g}. Map raw gate logits with e.g. "
+            f"max is {high:.4g}. Map raw gate logits with e.g. "
             "-softplus(x) or jax.nn.log_sigmoid(x)."
         )
-    if lower_bound is not None and g_np.size and g_np.min() < lower_bound:
+    if lower_bound is not None and low < lower_bound:
         raise ValueError(
-            f"{fn}: `{name}` (log-decay) reaches {float(g_np.min()):.4g}, below `gate_lower_bound`={lower_bound}; "
+            f"{fn}: `{name}` (log-decay) reaches {low:.4g}, below `gate_lower_bound`={lower_bound}; "
             "bound the gates by construction (e.g. g = gate_lower_bound·sigmoid(·)) or leave the bound unset"
         )
 
