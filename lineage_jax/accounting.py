@@ -21,13 +21,18 @@ from typing import Union
 import numpy as np
 from flax import nnx
 
+from lineage_jax.memory._validate import require_positive_int
 from lineage_jax.models.config import MIXERS, ModelConfig, get_config
 
 ConfigLike = Union[ModelConfig, str]
 
 
-def _cfg(config: ConfigLike) -> ModelConfig:
-    return get_config(config) if isinstance(config, str) else config
+def _cfg(config: ConfigLike, fn: str = "accounting") -> ModelConfig:
+    if isinstance(config, str):
+        return get_config(config)
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"{fn}: `config` must be a ModelConfig or a config name, got {type(config).__name__}")
+    return config
 
 
 @functools.lru_cache(maxsize=32)
@@ -45,7 +50,7 @@ def _param_table(config: ModelConfig) -> tuple[tuple[str, tuple[int, ...], tuple
 
 def param_table(config: ConfigLike) -> list[dict]:
     """One row per parameter array: ``{"path", "shape", "axes", "size", "component"}``."""
-    cfg = _cfg(config)
+    cfg = _cfg(config, "param_table")
     return [dict(path=p, shape=s, axes=a, size=int(np.prod(s, dtype=np.int64)), component=_component(p, a))
             for p, s, a in _param_table(cfg)]
 
@@ -85,7 +90,7 @@ def component_counts(config: ConfigLike) -> dict[str, int]:
 
 def param_counts(config: ConfigLike) -> dict[str, int]:
     """``{"total": int, "active": int}`` (see the module docstring for what counts as active)."""
-    cfg = _cfg(config)
+    cfg = _cfg(config, "param_counts")
     comp = component_counts(cfg)
     total = sum(comp.values())
     routed = comp.get("routed_experts", 0)
@@ -106,7 +111,8 @@ def cache_bytes_per_token(config: ConfigLike, dtype_bytes: int = 2) -> int:
     Softmax layers store a key and a value per KV head (``2 · Hkv · head_dim``);
     MLA layers store one latent plus the shared rope key (``kv_lora + rope``).
     """
-    cfg = _cfg(config)
+    cfg = _cfg(config, "cache_bytes_per_token")
+    require_positive_int("cache_bytes_per_token", "dtype_bytes", dtype_bytes)
     hkv = cfg.num_kv_heads or cfg.num_heads
     per_softmax = 2 * hkv * cfg.resolved_head_dim
     per_mla = cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -120,7 +126,8 @@ def state_bytes(config: ConfigLike, dtype_bytes: int = 4, *, include_conv: bool 
     linear attention also its normalizer ``H · K``). With ``include_conv``, the short-conv
     buffers (``(conv_size − 1) · (2 H_qk K + H V)`` per layer) are added.
     """
-    cfg = _cfg(config)
+    cfg = _cfg(config, "state_bytes")
+    require_positive_int("state_bytes", "dtype_bytes", dtype_bytes)
     H, K = cfg.num_heads, cfg.resolved_head_dim
     Hv = cfg.num_v_heads or H
     total = 0
@@ -149,9 +156,8 @@ def flops_per_token(config: ConfigLike, seq_len: int) -> float:
       chunked form's ``2Ld² + 2LCd`` cost per token (Yang et al. 2023, arXiv:2312.06635),
       with the delta-rule terms added (Yang et al. 2024, arXiv:2406.06484).
     """
-    cfg = _cfg(config)
-    if seq_len <= 0:
-        raise ValueError(f"flops_per_token: `seq_len` must be positive, got {seq_len}")
+    cfg = _cfg(config, "flops_per_token")
+    require_positive_int("flops_per_token", "seq_len", seq_len)
     total = 2.0 * param_counts(cfg)["active"]
     H, hd = cfg.num_heads, cfg.resolved_head_dim
     ctx = (seq_len + 1) / 2

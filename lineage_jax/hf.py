@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import re
 import warnings
@@ -44,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from lineage_jax.layers.common import yarn_mscale
+from lineage_jax.memory._validate import is_int, require_positive_int
 from lineage_jax.models.config import ModelConfig
 from lineage_jax.models.decoder import Decoder
 
@@ -78,12 +80,51 @@ def _require(cond: bool, field: str, message: str) -> None:
         raise HFError(f"config.json: `{field}` {message}")
 
 
+_MISSING = object()
+
+
+def _number(hf: dict, names: tuple, default, kind: type, where: str):
+    """The first of ``names`` set (not None) in ``hf`` as ``kind`` (int or float), else ``default``;
+    :class:`HFError` naming the field when it is required and absent or of the wrong type."""
+    for name in names:
+        if name in hf and hf[name] is not None:
+            value = hf[name]
+            break
+    else:
+        _require(default is not _MISSING, where + names[0], "is missing")
+        return default
+    if kind is int:
+        ok = is_int(value) or (isinstance(value, float) and value.is_integer())
+    else:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    _require(ok, where + name, f"must be {'an integer' if kind is int else 'a finite number'}, got {value!r}")
+    return kind(value)
+
+
+def _int(hf: dict, *names: str, default=_MISSING, where: str = ""):
+    return _number(hf, names, default, int, where)
+
+
+def _float(hf: dict, *names: str, default=_MISSING, where: str = ""):
+    return _number(hf, names, default, float, where)
+
+
+def _section(hf: dict, *names: str) -> tuple[str, dict]:
+    """The first of ``names`` set in ``hf`` (a nested object, e.g. ``rope_parameters``) and its dict."""
+    for name in names:
+        if hf.get(name) is not None:
+            _require(isinstance(hf[name], dict), name, f"must be an object, got {hf[name]!r}")
+            return name, hf[name]
+    return names[0], {}
+
+
 def family_of_hf(hf: dict) -> str:
     """The family (``FAMILIES``) of a ``config.json`` dict, from ``model_type`` / ``architectures``."""
     mt = hf.get("model_type")
     if mt in FAMILIES:
         return mt
     archs = hf.get("architectures") or []
+    _require(isinstance(archs, list), "architectures", f"must be a list of class names, got {archs!r}")
     for fam, arch in ARCHITECTURES.items():
         if arch in archs:
             return fam
@@ -94,7 +135,8 @@ def family_of_hf(hf: dict) -> str:
 def _first_dense(hf: dict, n_layers: int, default: int) -> int:
     types = hf.get("mlp_layer_types")
     if types is None:
-        return int(_get(hf, "first_k_dense_replace", default=default))
+        return _int(hf, "first_k_dense_replace", default=default)
+    _require(isinstance(types, list), "mlp_layer_types", f"must be a list, got {types!r}")
     _require(len(types) == n_layers, "mlp_layer_types", f"has {len(types)} entries for {n_layers} layers")
     bad = sorted(set(types) - {"dense", "sparse"})
     _require(not bad, "mlp_layer_types", f"holds unknown types {bad}")
@@ -105,52 +147,56 @@ def _first_dense(hf: dict, n_layers: int, default: int) -> int:
 
 
 def _moe_fields(hf: dict, n_layers: int, first_dense: int) -> dict:
-    experts = int(_get(hf, "num_local_experts", "num_experts", "n_routed_experts", default=0))
+    experts = _int(hf, "num_local_experts", "num_experts", "n_routed_experts", default=0)
     if experts == 0 or first_dense >= n_layers:
         return dict(first_dense_layers=first_dense)
     _require(_get(hf, "norm_topk_prob", "moe_renormalize", default=True) is True, "norm_topk_prob",
              "False (unnormalised routing weights) is not supported")
     act = _get(hf, "moe_router_activation_func", default="sigmoid")
     _require(act == "sigmoid", "moe_router_activation_func", f"must be 'sigmoid', got {act!r}")
-    shared = int(_get(hf, "n_shared_experts", "num_shared_experts", default=0))
+    shared = _int(hf, "n_shared_experts", "num_shared_experts", default=0)
     return dict(first_dense_layers=first_dense, num_experts=experts,
-                top_k=int(_get(hf, "num_experts_per_tok", "num_experts_per_token")),
-                moe_hidden=int(hf["moe_intermediate_size"]), num_shared_experts=shared,
-                routed_scaling_factor=float(_get(hf, "routed_scaling_factor", default=1.0)),
-                n_group=int(_get(hf, "n_group", "num_expert_group", default=1)),
-                topk_group=int(_get(hf, "topk_group", default=1)))
+                top_k=_int(hf, "num_experts_per_tok", "num_experts_per_token"),
+                moe_hidden=_int(hf, "moe_intermediate_size"), num_shared_experts=shared,
+                routed_scaling_factor=_float(hf, "routed_scaling_factor", default=1.0),
+                n_group=_int(hf, "n_group", "num_expert_group", default=1),
+                topk_group=_int(hf, "topk_group", default=1))
 
 
 def _mla_fields(hf: dict) -> dict:
-    heads = int(hf["num_attention_heads"])
+    heads = _int(hf, "num_attention_heads")
     kv = _get(hf, "num_key_value_heads", default=heads)
     _require(kv == heads, "num_key_value_heads", f"must equal num_attention_heads={heads} for MLA, got {kv}")
     _require(not hf.get("attention_bias", False), "attention_bias", "True is not supported (MLA has no biases)")
-    return dict(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=int(hf["kv_lora_rank"]),
-                qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-                v_head_dim=int(hf["v_head_dim"]))
+    return dict(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=_int(hf, "kv_lora_rank"),
+                qk_nope_head_dim=_int(hf, "qk_nope_head_dim"), qk_rope_head_dim=_int(hf, "qk_rope_head_dim"),
+                v_head_dim=_int(hf, "v_head_dim"))
 
 
 def _rope_fields(hf: dict, qk_head_dim: int) -> dict:
-    params = dict(_get(hf, "rope_parameters", "rope_scaling", default={}) or {})
-    theta = float(_get(params, "rope_theta", default=_get(hf, "rope_theta", default=10000.0)))
+    section, params = _section(hf, "rope_parameters", "rope_scaling")
+    where = section + "."
+    theta = _float(params, "rope_theta", where=where, default=None)
+    theta = _float(hf, "rope_theta", default=10000.0) if theta is None else theta
     kind = _get(params, "rope_type", "type", default="default")
     out = dict(rope_theta=theta)
     if kind == "default":
         return out
     _require(kind == "yarn", "rope_parameters.rope_type", f"{kind!r} is not supported (only 'default' and 'yarn')")
-    orig = int(_get(params, "original_max_position_embeddings",
-                    default=_get(hf, "original_max_position_embeddings", "max_position_embeddings")))
-    factor = _get(params, "factor")
-    factor = float(hf["max_position_embeddings"] / orig if factor is None else factor)
-    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
-    attention_factor = params.get("attention_factor")
+    orig = _int(params, "original_max_position_embeddings", where=where, default=None)
+    orig = _int(hf, "original_max_position_embeddings", "max_position_embeddings") if orig is None else orig
+    _require(orig > 0, where + "original_max_position_embeddings", f"must be positive, got {orig}")
+    factor = _float(params, "factor", where=where, default=None)
+    factor = _int(hf, "max_position_embeddings") / orig if factor is None else factor
+    mscale = _float(params, "mscale", where=where, default=None)
+    mscale_all = _float(params, "mscale_all_dim", where=where, default=None)
+    attention_factor = _float(params, "attention_factor", where=where, default=None)
     if attention_factor is None:
         attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
                             else yarn_mscale(factor))
     out.update(rope_scaling="yarn", rope_factor=factor, rope_original_max_len=orig,
-               rope_beta_fast=float(params.get("beta_fast") or 32.0),
-               rope_beta_slow=float(params.get("beta_slow") or 1.0),
+               rope_beta_fast=_float(params, "beta_fast", where=where, default=0.0) or 32.0,
+               rope_beta_slow=_float(params, "beta_slow", where=where, default=0.0) or 1.0,
                rope_attention_factor=float(attention_factor), rope_truncate=bool(params.get("truncate", True)))
     if mscale_all:
         out["mla_softmax_scale"] = qk_head_dim ** -0.5 * yarn_mscale(factor, mscale_all) ** 2
@@ -172,26 +218,30 @@ def config_from_hf(hf: dict, *, dtype: Optional[str] = None) -> tuple[ModelConfi
         for field, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                             ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
             _require(hf.get(field, want) == want, field, f"must be {want}, got {hf.get(field)!r}")
-        d = int(hf["n_embd"])
-        cfg = ModelConfig(name="hf_gpt2", vocab_size=int(hf["vocab_size"]), d_model=d,
-                          pattern="S" * int(hf["n_layer"]), num_heads=int(hf["n_head"]), positions="learned",
-                          max_seq_len=int(hf["n_positions"]), norm="layernorm",
-                          norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        d = _int(hf, "n_embd")
+        cfg = ModelConfig(name="hf_gpt2", vocab_size=_int(hf, "vocab_size"), d_model=d,
+                          pattern="S" * _int(hf, "n_layer"), num_heads=_int(hf, "n_head"), positions="learned",
+                          max_seq_len=_int(hf, "n_positions"), norm="layernorm",
+                          norm_eps=_float(hf, "layer_norm_epsilon", default=1e-5),
                           tie_embeddings=bool(hf.get("tie_word_embeddings", True)), attn_bias=True,
-                          ffn_kind="gelu", ffn_hidden=int(hf.get("n_inner") or 4 * d), **extra)
+                          ffn_kind="gelu", ffn_hidden=_int(hf, "n_inner", default=0) or 4 * d, **extra)
         return cfg, family
     _require(act == "silu", "hidden_act", f"must be 'silu', got {act!r}")
-    n = int(hf["num_hidden_layers"])
-    eps = float(hf.get("rms_norm_eps", 1e-6))
-    common = dict(vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
-                  num_heads=int(hf["num_attention_heads"]), norm="rmsnorm", norm_eps=eps,
+    n = _int(hf, "num_hidden_layers")
+    eps = _float(hf, "rms_norm_eps", default=1e-6)
+    common = dict(vocab_size=_int(hf, "vocab_size"), d_model=_int(hf, "hidden_size"),
+                  num_heads=_int(hf, "num_attention_heads"), norm="rmsnorm", norm_eps=eps,
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)), ffn_kind="swiglu",
-                  ffn_hidden=int(hf["intermediate_size"]),
-                  max_seq_len=int(_get(hf, "max_position_embeddings", "model_max_length", default=4096)))
+                  ffn_hidden=_int(hf, "intermediate_size"),
+                  max_seq_len=_int(hf, "max_position_embeddings", "model_max_length", default=4096))
     if family == "kimi_linear":
-        lin = hf.get("linear_attn_config") or {}
+        _, lin = _section(hf, "linear_attn_config")
         types = hf.get("layer_types")
         if types is None and "full_attn_layers" in lin and "kda_layers" in lin:
+            for key in ("full_attn_layers", "kda_layers"):
+                layers = lin[key]
+                _require(isinstance(layers, list) and all(is_int(i) and 1 <= i <= n for i in layers),
+                         f"linear_attn_config.{key}", f"must list layer numbers 1..{n}, got {layers!r}")
             types = [None] * n
             for i in lin["full_attn_layers"]:
                 types[i - 1] = "full_attention"
@@ -202,14 +252,17 @@ def config_from_hf(hf: dict, *, dtype: Optional[str] = None) -> tuple[ModelConfi
         _require(len(types) == n and set(types) <= {"full_attention", "linear_attention"}, "layer_types",
                  f"must give 'full_attention' or 'linear_attention' for each of {n} layers, got {types!r}")
         pattern = "".join("M" if t == "full_attention" else "K" for t in types)
-        heads = int(_get(lin, "num_heads", default=_get(hf, "linear_num_heads", default=32)))
+        heads = _int(lin, "num_heads", where="linear_attn_config.", default=None)
+        heads = _int(hf, "linear_num_heads", default=32) if heads is None else heads
         _require("K" not in pattern or heads == common["num_heads"], "linear_num_heads",
                  f"({heads}) must equal num_attention_heads ({common['num_heads']}): the Decoder has one head count")
-        conv = int(_get(lin, "short_conv_kernel_size", default=_get(hf, "linear_conv_kernel_dim", default=4)))
+        conv = _int(lin, "short_conv_kernel_size", where="linear_attn_config.", default=None)
+        conv = _int(hf, "linear_conv_kernel_dim", default=4) if conv is None else conv
         _require(conv >= 2, "linear_conv_kernel_dim", f"must be >= 2, got {conv}")
         first = _first_dense(hf, n, 1)
-        cfg = ModelConfig(name="hf_kimi_linear", pattern=pattern,
-                          head_dim=int(_get(lin, "head_dim", default=_get(hf, "linear_head_dim", default=128))),
+        head_dim = _int(lin, "head_dim", where="linear_attn_config.", default=None)
+        head_dim = _int(hf, "linear_head_dim", default=128) if head_dim is None else head_dim
+        cfg = ModelConfig(name="hf_kimi_linear", pattern=pattern, head_dim=head_dim,
                           conv_size=conv, kda_gate="softplus", kda_output_gate="lowrank", mixer_norm_eps=eps,
                           mla_rope=False, **_mla_fields(hf), **_moe_fields(hf, n, first), **common, **extra)
         return cfg, family
@@ -315,10 +368,14 @@ class Checkpoint:
         self.path = path
         index = os.path.join(path, INDEX_FILE)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+            content = _read_json(index)
+            weight_map = content.get("weight_map") if isinstance(content, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise HFError(f"{index}: no `weight_map`")
+            for name, fname in weight_map.items():
+                if not isinstance(fname, str) or os.path.basename(fname) != fname or fname in ("", ".", ".."):
+                    raise HFError(f"{index}: `weight_map` maps tensor {name!r} to {fname!r}, "
+                                  "which is not a file name in the checkpoint directory")
             files = sorted(set(weight_map.values()))
         elif os.path.exists(os.path.join(path, SINGLE_FILE)):
             weight_map, files = None, [SINGLE_FILE]
@@ -375,16 +432,43 @@ class Checkpoint:
 
 
 def _read_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Names, dtypes and shapes of a safetensors file; :class:`HFError` naming the file (and tensor)
+    unless the header is well formed and the file holds every byte it lists."""
+    size = os.path.getsize(file)
     with open(file, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise HFError(f"{file}: not a safetensors file (too short)")
         n = int.from_bytes(raw, "little")
+        if n > size - 8:
+            raise HFError(f"{file}: not a safetensors file (header of {n} bytes in a file of {size}; truncated?)")
         try:
             header = json.loads(f.read(n))
         except (ValueError, UnicodeDecodeError) as e:
             raise HFError(f"{file}: not a safetensors file ({e})") from None
-    return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+    if not isinstance(header, dict):
+        raise HFError(f"{file}: not a safetensors file (the header is not a JSON object)")
+    data = size - 8 - n
+    out = {}
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (isinstance(v, dict) and isinstance(v.get("dtype"), str) and isinstance(v.get("shape"), list)
+              and all(is_int(d) and d >= 0 for d in v["shape"]) and isinstance(v.get("data_offsets"), list)
+              and len(v["data_offsets"]) == 2 and all(is_int(o) for o in v["data_offsets"]))
+        if not ok:
+            raise HFError(f"{file}: tensor {name!r} has a malformed header entry {v!r}")
+        begin, end = v["data_offsets"]
+        if not 0 <= begin <= end <= data:
+            raise HFError(f"{file}: tensor {name!r} lies at bytes [{begin}, {end}) but the file holds only {data} "
+                          "bytes of data (truncated or corrupt)")
+        if v["dtype"] in _FLOAT_DTYPES:
+            want = math.prod(v["shape"]) * np.dtype(_FLOAT_DTYPES[v["dtype"]]).itemsize
+            if end - begin != want:
+                raise HFError(f"{file}: tensor {name!r} ({v['dtype']} {v['shape']}) needs {want} bytes, "
+                              f"the header gives it {end - begin}")
+        out[name] = (v["dtype"], tuple(v["shape"]))
+    return out
 
 
 def _read_raw(file: str, name: str, rows: Optional[slice]) -> np.ndarray:
@@ -643,6 +727,13 @@ def read_config(path: str) -> dict:
         raise HFError(f"{path}: not a directory")
     if not os.path.exists(file):
         raise HFError(f"{path}: no config.json")
+    hf = _read_json(file)
+    if not isinstance(hf, dict):
+        raise HFError(f"{file}: must hold a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def _read_json(file: str):
     try:
         with open(file) as f:
             return json.load(f)
@@ -775,7 +866,25 @@ def save(model: Decoder, path: str, *, max_shard_bytes: Optional[int] = None) ->
     """Write ``model`` as a ``transformers`` checkpoint directory: ``config.json`` and float32
     ``model.safetensors`` (or shards of at most ``max_shard_bytes`` with an index). Returns the
     safetensors file names. Raises :class:`HFError` if the model has no transformers layout
-    (:func:`family_of`)."""
+    (:func:`family_of`), if ``path`` is a file or already holds a checkpoint (``config.json`` or
+    safetensors files: nothing is overwritten; other files are left as they are), or if
+    ``max_shard_bytes`` is not a positive int — all before anything is written."""
+    if not isinstance(model, Decoder):
+        raise HFError(f"save: `model` must be a lineage_jax Decoder, got {type(model).__name__}")
+    if max_shard_bytes is not None:
+        try:
+            require_positive_int("save", "max_shard_bytes", max_shard_bytes)
+        except ValueError as e:
+            raise HFError(str(e)) from None
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise HFError(f"save: `path` {path} exists and is not a directory")
+    if os.path.isdir(path):
+        taken = sorted(f for f in os.listdir(path) if f == "config.json" or f.endswith(".safetensors")
+                       or f == INDEX_FILE)
+        if taken:
+            shown = ", ".join(taken[:3]) + (f", … ({len(taken)} files)" if len(taken) > 3 else "")
+            raise HFError(f"save: `path` {path} already holds a checkpoint ({shown}); save into a new or "
+                          "empty directory, or remove those files first")
     cfg = model.cfg
     family = family_of(cfg)
     hf = config_to_hf(cfg)

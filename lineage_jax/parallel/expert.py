@@ -63,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import warnings
 from typing import Optional, Union
 
@@ -102,8 +103,7 @@ class ExpertParallel:
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"ExpertParallel: `impl` must be one of {IMPLS}, got {self.impl!r}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"ExpertParallel: `capacity_factor` must be positive or None, got {self.capacity_factor!r}")
+        check_capacity_factor("ExpertParallel", self.capacity_factor)
         axes = mesh_axes_of("experts", self.rules)
         if len(axes) != 1:
             raise ValueError(f"ExpertParallel: `rules` must map 'experts' to exactly one mesh axis, got {axes}")
@@ -125,6 +125,15 @@ class ExpertParallel:
         if self.impl != "auto":
             return self.impl
         return "ragged" if self.mesh.devices.flat[0].platform == "tpu" else "dense"
+
+
+def check_capacity_factor(fn: str, capacity_factor) -> None:
+    """``capacity_factor`` is None (dropless) or a positive finite real number."""
+    if capacity_factor is None:
+        return
+    if not (isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
+            and 0 < capacity_factor < math.inf):
+        raise ValueError(f"{fn}: `capacity_factor` must be a positive finite number or None, got {capacity_factor!r}")
 
 
 def check_num_experts(num_experts: int, mesh: Mesh, rules: Optional[Rules] = None) -> None:
@@ -255,6 +264,7 @@ def expert_parallel_experts(moe: MoE, z: Array, expert_idx: Array, weights: Arra
     mesh = ep.mesh
     sizes = mesh_shape(mesh)
     ep_axis, ep_size = ep.expert_axis, ep.expert_size
+    check_capacity_factor("expert_parallel_experts", capacity_factor)
     check_num_experts(moe.num_experts, mesh, ep.rules)
     n_tokens = z.shape[0]
     token_spec = logical_to_spec(("batch",), mesh, ep.rules, shape=(n_tokens,))

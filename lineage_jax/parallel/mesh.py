@@ -20,10 +20,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from typing import Mapping, Optional, Sequence, Union
 
 import jax
 from jax.sharding import AxisType, Mesh
+
+from lineage_jax.memory._validate import is_int
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +59,10 @@ def parse_mesh_spec(spec: Optional[str]) -> dict[str, int]:
         if name in seen:
             raise ValueError(f"parse_mesh_spec: mesh axis {name!r} is given twice")
         seen.add(name)
-        try:
-            size = int(value)
-        except ValueError:
+        if not re.fullmatch(r"-?[0-9]+", value):
             raise ValueError(f"parse_mesh_spec: size of mesh axis {name!r} must be an integer "
-                             f"(or -1 for the rest), got {value!r}") from None
+                             f"(or -1 for the rest), got {value!r}")
+        size = int(value)
         if size == 0 or size < -1:
             raise ValueError(f"parse_mesh_spec: size of mesh axis {name!r} must be positive or -1, got {size}")
         sizes[name] = size
@@ -69,11 +71,14 @@ def parse_mesh_spec(spec: Optional[str]) -> dict[str, int]:
 
 
 def check_axis_sizes(sizes: Mapping[str, int], fn: str = "make_mesh") -> None:
+    if not isinstance(sizes, Mapping):
+        raise ValueError(f"{fn}: mesh axis sizes must be a dict like {{'data': 2, 'expert': 4}} or a string like "
+                         f"'data=2,expert=4', got {sizes!r}")
     unknown = sorted(set(sizes) - set(MESH_AXES))
     if unknown:
         raise ValueError(f"{fn}: unknown mesh axis {unknown[0]!r}; valid axes: {', '.join(MESH_AXES)}")
     for name, size in sizes.items():
-        if isinstance(size, bool) or not isinstance(size, int) or size == 0 or size < -1:
+        if not is_int(size) or size == 0 or size < -1:
             raise ValueError(f"{fn}: size of mesh axis {name!r} must be a positive int or -1, got {size!r}")
     rest = [n for n, s in sizes.items() if s == -1]
     if len(rest) > 1:
@@ -89,6 +94,8 @@ def resolve_axis_sizes(sizes: MeshSpec, num_devices: int) -> dict[str, int]:
     if sizes is None or isinstance(sizes, str):
         sizes = parse_mesh_spec(sizes)
     check_axis_sizes(sizes)
+    if not is_int(num_devices) or num_devices <= 0:
+        raise ValueError(f"make_mesh: the device count must be a positive int, got {num_devices!r}")
     full = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
     known = math.prod(s for s in full.values() if s != -1)
     rest = [a for a, s in full.items() if s == -1]

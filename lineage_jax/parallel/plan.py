@@ -34,8 +34,10 @@ import sys
 from typing import Optional
 
 from lineage_jax import accounting
-from lineage_jax.models.config import ModelConfig, get_config
-from lineage_jax.parallel.mesh import MESH_AXES, parse_mesh_spec, resolve_axis_sizes
+from lineage_jax.models.config import ModelConfig
+from lineage_jax.memory._validate import is_int
+from lineage_jax.parallel.expert import check_capacity_factor
+from lineage_jax.parallel.mesh import MESH_AXES, check_axis_sizes, parse_mesh_spec, resolve_axis_sizes
 from lineage_jax.parallel.rules import DEFAULT_RULES, Rules, mesh_axes_of, sharding_table
 
 # Nominal datasheet figures (per chip / GPU), for lower-bound times only.
@@ -52,7 +54,7 @@ GB = 1e9
 
 
 def _cfg(config) -> ModelConfig:
-    return get_config(config) if isinstance(config, str) else config
+    return accounting._cfg(config, "plan")
 
 
 def plan(config, mesh: dict, *, batch: int, seq: int, rules: Optional[Rules] = None, act_bytes: int = 2,
@@ -67,8 +69,12 @@ def plan(config, mesh: dict, *, batch: int, seq: int, rules: Optional[Rules] = N
             raise ValueError(f"plan: `{name}` must be a positive int, got {val!r}")
     if hardware is not None and hardware not in HARDWARE:
         raise ValueError(f"plan: `hardware` must be one of {sorted(HARDWARE)}, got {hardware!r}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"plan: `capacity_factor` must be positive, got {capacity_factor!r}")
+    check_capacity_factor("plan", capacity_factor)
+    if isinstance(mesh, str):
+        mesh = parse_mesh_spec(mesh)
+    check_axis_sizes(mesh, fn="plan: `mesh`")
+    if devices is not None and (not is_int(devices) or devices <= 0):
+        raise ValueError(f"plan: `devices` must be a positive int, got {devices!r}")
     if devices is None:
         if any(v == -1 for v in mesh.values()):
             raise ValueError("plan: `mesh` has a -1 axis; give `devices` to resolve it")

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lineage_jax import accounting
-from lineage_jax.parallel.mesh import MESH_AXES, mesh_shape
+from lineage_jax.parallel.mesh import MESH_AXES, check_axis_sizes, mesh_shape
 
 MeshAxes = Union[None, str, tuple[str, ...]]
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -106,7 +106,13 @@ def rules_dict(rules: Optional[Rules] = None) -> dict[str, tuple[str, ...]]:
         name, axes = entry
         if name in out:
             raise ValueError(f"rules: logical axis {name!r} has two rules")
+        if not (axes is None or isinstance(axes, str)
+                or (isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes))):
+            raise ValueError(f"rules: logical axis {name!r} must map to None, a mesh axis or a tuple of mesh axes, "
+                             f"got {axes!r}")
         axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"rules: logical axis {name!r} names a mesh axis twice: {axes}")
         for a in axes:
             if a not in MESH_AXES:
                 raise ValueError(f"rules: logical axis {name!r} maps to unknown mesh axis {a!r}; "
@@ -118,6 +124,9 @@ def rules_dict(rules: Optional[Rules] = None) -> dict[str, tuple[str, ...]]:
 def _sizes(mesh: Union[Mesh, Mapping[str, int]]) -> dict[str, int]:
     if isinstance(mesh, Mesh):
         return mesh_shape(mesh)
+    check_axis_sizes(mesh, fn="rules: `mesh`")
+    if any(s == -1 for s in mesh.values()):
+        raise ValueError(f"rules: `mesh` {dict(mesh)} has a -1 axis; resolve it first (resolve_axis_sizes)")
     return {a: int(mesh.get(a, 1)) for a in MESH_AXES}
 
 
