@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import numbers
 import os
 import sys
 import time
@@ -29,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from lineage_jax.memory._validate import is_int
 from lineage_jax.models import Decoder, ModelConfig, inference_steps
 from lineage_jax.parallel.expert import ExpertParallel, enable_expert_parallel, resolve_expert_parallel
 from lineage_jax.parallel.mesh import mesh_shape
@@ -43,9 +46,12 @@ def load(workdir: str) -> tuple[Decoder, TrainConfig]:
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"--workdir {workdir!r} holds no run (no config.json); train one with python -m lineage_jax.train")
-    with open(path) as f:
-        record = json.load(f)
-    train_cfg, model_cfg = TrainConfig(**record["train"]), ModelConfig(**record["model"])
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        train_cfg, model_cfg = TrainConfig(**record["train"]), ModelConfig(**record["model"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--workdir {workdir!r}: its config.json is unreadable ({type(e).__name__}: {e})") from None
     graphdef, abstract = _abstract_state(model_cfg, train_cfg)
     with Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False) as ckpt:
         state, _ = ckpt.restore(abstract)
@@ -91,9 +97,21 @@ def generate(model: Decoder, prompt: list[int], *, max_new_tokens: int = 100, te
     """Prefill ``prompt`` then sample up to ``max_new_tokens`` tokens (batch of one)."""
     if not prompt:
         raise ValueError("generate: `prompt` must contain at least one token")
-    if max_new_tokens < 0 or not 0 < top_p <= 1 or temperature < 0 or top_k < 0:
-        raise ValueError("generate: need max_new_tokens >= 0, temperature >= 0, top_k >= 0, 0 < top_p <= 1")
     cfg = model.cfg
+    if not all(is_int(t) for t in prompt):
+        raise ValueError("generate: `prompt` must be a list of int token ids")
+    bad = [int(t) for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"generate: `prompt` holds {len(bad)} id(s) outside [0, vocab_size={cfg.vocab_size}), "
+                         f"e.g. {bad[:5]}")
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
+    if not is_int(top_k) or not 0 <= top_k <= cfg.vocab_size:
+        raise ValueError(f"generate: `top_k` must be an int in [0, vocab_size={cfg.vocab_size}], got {top_k!r}")
+    if not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
+        raise ValueError(f"generate: `temperature` must be finite and >= 0, got {temperature!r}")
+    if not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+        raise ValueError(f"generate: `top_p` must be in (0, 1], got {top_p!r}")
     max_len = len(prompt) + max_new_tokens
     if cfg.positions == "learned" and max_len > cfg.max_seq_len:
         raise ValueError(f"generate: prompt + max_new_tokens = {max_len} exceeds max_seq_len={cfg.max_seq_len}")

@@ -291,6 +291,9 @@ def tokenize_corpus(corpus: Sequence[str], tokenizer="byte", *, max_documents: O
     tokenization is vectorized; GPT-2 BPE runs in Python (a few MB/s; cache the
     result with ``TokenizedCorpus.save``).
     """
+    if isinstance(corpus, (str, bytes)):
+        raise ValueError("corpus: expected a sequence of documents (str), got one "
+                         f"{type(corpus).__name__}; wrap a single document in a list")
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     if max_documents is not None and (not isinstance(max_documents, int) or max_documents <= 0):
         raise ValueError(f"max_documents: must be a positive int or None, got {max_documents!r}")

@@ -61,6 +61,15 @@ def _check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     return out
 
 
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8; a character UTF-8 cannot encode (a lone surrogate) is a ``ValueError`` naming it."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text: character {e.object[e.start]!r} at position {e.start} has no UTF-8 encoding "
+                         "(a lone surrogate; decode the source with errors='replace')") from None
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: ``vocab_size = 256``, ``eos_id = 0`` (NUL)."""
 
@@ -71,11 +80,11 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text: expected str, got {type(text).__name__}")
-        return list(text.encode("utf-8"))
+        return list(_utf8(text))
 
     def encode_bytes(self, text: str) -> bytes:
         """The same ids as ``encode`` as a ``bytes`` object (fast path for corpora)."""
-        return text.encode("utf-8")
+        return _utf8(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(_check_ids(ids, 256)).decode("utf-8", errors="replace")
@@ -244,8 +253,12 @@ class GPT2Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"text: expected str, got {type(text).__name__}")
         out: list[int] = []
-        for piece in self.pattern.findall(text):
-            out.extend(self._bpe_ids(piece))
+        try:
+            for piece in self.pattern.findall(text):
+                out.extend(self._bpe_ids(piece))
+        except UnicodeEncodeError:
+            _utf8(text)  # raises the ValueError naming the character
+            raise
         return out
 
     def decode(self, ids: Sequence[int]) -> str:

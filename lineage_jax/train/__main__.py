@@ -18,9 +18,10 @@ from typing import Optional
 
 from lineage_jax.models import config_names, get_config
 from lineage_jax.parallel import maybe_initialize_distributed, parse_mesh_spec
+from lineage_jax.train.checkpoint import CheckpointError
 from lineage_jax.train.config import TrainConfig, apply_overrides
 from lineage_jax.train.inputs import make_data
-from lineage_jax.train.loop import check_workdir, train
+from lineage_jax.train.loop import check_lengths, check_workdir, train
 from lineage_jax.train.step import make_parallel
 
 
@@ -90,6 +91,10 @@ def _fail(msg: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     train_cfg, model_cfg = parse(argv)
+    try:
+        check_lengths(train_cfg, model_cfg)
+    except ValueError as e:
+        _fail(str(e))
     maybe_initialize_distributed()  # multi-host (TPU VM slices, SLURM, JAX_* env); no-op on one host
     try:
         data = make_data(train_cfg, model_cfg)
@@ -103,7 +108,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         check_workdir(train_cfg, model_cfg)  # a workdir holding another run: refused before writing anything
     except ValueError as e:
         _fail(str(e))
-    out = train(train_cfg, model_cfg, data)
+    try:
+        out = train(train_cfg, model_cfg, data)
+    except CheckpointError as e:
+        _fail(str(e))
     ev = out["eval"]
     loss = out["metrics"].get("loss")
     msg = f"step {out['step']}: " + (f"loss {loss:.4f}" if loss is not None else "no training loss logged")

@@ -11,6 +11,10 @@ import orbax.checkpoint as ocp
 from lineage_jax.train.step import TrainState
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored (incomplete, corrupted, or of another model); names its directory."""
+
+
 class Checkpointer:
     """A thin wrapper over ``ocp.CheckpointManager`` (async saves, keeps the last ``keep``)."""
 
@@ -32,9 +36,22 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state._asdict())
-        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                                 data=ocp.args.JsonRestore()))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                     data=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax / tensorstore raise many types for unreadable or mismatched files
+            raise CheckpointError(self._unreadable(step, e)) from e
         return TrainState(**out["state"]), out["data"]
+
+    def _unreadable(self, step: int, error: BaseException) -> str:
+        path = os.path.join(self.directory, str(step))
+        detail = " ".join(str(error).split())
+        detail = detail if len(detail) <= 300 else detail[:300] + "..."
+        others = [s for s in self.manager.all_steps() if s != step]
+        hint = (f"the other checkpoints here are of steps {sorted(others)}: move {path} aside to resume from "
+                f"step {max(others)}") if others else "no other checkpoint is here"
+        return (f"checkpoint {path} cannot be restored: it is incomplete, corrupted, or written by a model "
+                f"with other settings ({type(error).__name__}: {detail}); nothing was changed; {hint}")
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

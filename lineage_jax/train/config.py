@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import typing
 from typing import Any
 
+from lineage_jax.memory._validate import is_int
 from lineage_jax.models.config import ModelConfig, get_config
 
 
@@ -47,16 +50,30 @@ class TrainConfig:
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "seq_len", "log_every", "save_every", "eval_batches", "keep_checkpoints"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"TrainConfig.{f}: must be positive, got {getattr(self, f)}")
+            if not is_int(getattr(self, f)) or getattr(self, f) <= 0:
+                raise ValueError(f"TrainConfig.{f}: must be a positive int, got {getattr(self, f)!r}")
+        for f in ("warmup_steps", "eval_every"):
+            if not is_int(getattr(self, f)) or getattr(self, f) < 0:
+                raise ValueError(f"TrainConfig.{f}: must be an int >= 0, got {getattr(self, f)!r}")
+        if not is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"TrainConfig.seed: must be an int in [0, 2**32), got {self.seed!r}")
+        # (field, lowest, highest, highest included): NaN fails every comparison, so it is refused too.
+        for f, lo, hi, hi_ok in (("lr", 0.0, math.inf, False), ("min_lr_ratio", 0.0, 1.0, True),
+                                 ("weight_decay", 0.0, math.inf, False), ("b1", 0.0, 1.0, False),
+                                 ("b2", 0.0, 1.0, False), ("grad_clip", 0.0, math.inf, False),
+                                 ("moe_bias_rate", 0.0, math.inf, False)):
+            v = getattr(self, f)
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and lo <= v and (v <= hi if hi_ok else v < hi)
+            if not ok or (f in ("lr", "grad_clip") and v == 0):
+                need = {"lr": "finite and > 0", "grad_clip": "finite and > 0", "min_lr_ratio": "in [0, 1]",
+                        "b1": "in [0, 1)", "b2": "in [0, 1)"}.get(f, "finite and >= 0")
+                raise ValueError(f"TrainConfig.{f}: must be {need}, got {v!r}")
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"TrainConfig.optimizer: must be 'adamw' or 'muon', got {self.optimizer!r}")
         if self.moe_bias_rule not in ("sign", "quantile", "none"):
             raise ValueError(f"TrainConfig.moe_bias_rule: must be 'sign', 'quantile' or 'none', got {self.moe_bias_rule!r}")
         if self.tokenizer not in ("byte", "gpt2"):
             raise ValueError(f"TrainConfig.tokenizer: must be 'byte' or 'gpt2', got {self.tokenizer!r}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ValueError("TrainConfig.lr / min_lr_ratio / warmup_steps: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0")
 
 
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}
@@ -97,7 +114,8 @@ def apply_overrides(train: TrainConfig, model: ModelConfig, pairs: list[str]) ->
             raise ValueError(f"--set expects key=value, got {pair!r}")
         key, raw = pair.split("=", 1)
         key = key.strip()
-        if key.startswith("model."):
+        model_only = key.startswith("model.")
+        if model_only:
             key = key[len("model."):]
             table = model_fields if key in model_fields else {}
         else:
@@ -105,8 +123,11 @@ def apply_overrides(train: TrainConfig, model: ModelConfig, pairs: list[str]) ->
         if key not in table:
             import difflib
 
-            valid = sorted(set(train_fields) | set(model_fields))
+            valid = sorted(model_fields if model_only else set(train_fields) | set(model_fields))
             near = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+            if model_only and key in train_fields:
+                raise ValueError(f"--set: unknown key 'model.{key}'; {key!r} is a TrainConfig field "
+                                 f"(--set {key}=...), not a ModelConfig one")
             hint = f"did you mean {' or '.join(repr(n) for n in near)}?" if near else \
                 "see the fields of TrainConfig (lineage_jax/train/config.py) and ModelConfig (lineage_jax/models/config.py)"
             raise ValueError(f"--set: unknown key {key!r}; {hint}")

@@ -98,6 +98,13 @@ def check_workdir(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
                          "use a new --workdir, or the same settings to resume")
 
 
+def check_lengths(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+    """Refuse (``ValueError``) rows longer than a learned position table."""
+    if model_cfg.positions == "learned" and train_cfg.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"TrainConfig.seq_len: {train_cfg.seq_len} exceeds the model's learned position table "
+                         f"(max_seq_len={model_cfg.max_seq_len}); lower --set seq_len or raise --set max_seq_len")
+
+
 def _write_configs(workdir: str, train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     """Record the run's configs; refuse to resume a workdir with different ones."""
     check_workdir(dataclasses.replace(train_cfg, workdir=workdir), model_cfg)
@@ -184,9 +191,10 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
     """
     from tqdm.auto import tqdm
 
+    check_lengths(train_cfg, model_cfg)
     workdir = os.path.abspath(train_cfg.workdir)
+    check_workdir(dataclasses.replace(train_cfg, workdir=workdir), model_cfg)
     os.makedirs(workdir, exist_ok=True)
-    _write_configs(workdir, train_cfg, model_cfg)
     parallel = make_parallel(model_cfg, train_cfg.mesh, batch_size=train_cfg.batch_size)
     put = parallel.shard_batch if parallel is not None else (lambda b: b)
     graphdef, state, tx = init_state(model_cfg, train_cfg, parallel)
@@ -205,6 +213,7 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
             train_iter.set_state(data_state)
             start = int(state.step)
             log(f"resumed {workdir} at step {start}")
+        _write_configs(workdir, train_cfg, model_cfg)  # after a successful restore: a failed one changes nothing
         metrics_path = os.path.join(workdir, "metrics.jsonl")
         _trim_metrics(metrics_path, start)
 

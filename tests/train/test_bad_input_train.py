@@ -1,0 +1,124 @@
+"""Bad training input: clear errors naming the argument or file, and nothing lost."""
+
+import dataclasses
+import math
+import os
+import shutil
+
+import pytest
+
+from lineage_jax.models import get_config
+from lineage_jax.train import TrainConfig, apply_overrides, train
+from lineage_jax.train.__main__ import main as train_main
+from lineage_jax.train.checkpoint import CheckpointError, Checkpointer
+from lineage_jax.train.step import init_state
+from tests.train.fake_data import factory
+
+
+def _cfg(workdir, steps=2, **kw):
+    return TrainConfig(config="tiny_gpt2", steps=steps, workdir=str(workdir), batch_size=2, seq_len=16, log_every=1,
+                       save_every=1, progress=False, eval_batches=1, **kw)
+
+
+def _train(workdir, steps=2, model=None, **kw):
+    tc, mc = _cfg(workdir, steps, **kw), model or get_config("tiny_gpt2")
+    return train(tc, mc, factory(tc, mc), log=lambda s: None)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A 2-step tiny_gpt2 run with checkpoints of steps 1 and 2."""
+    wd = tmp_path_factory.mktemp("bad_in") / "base"
+    _train(wd)
+    return wd
+
+
+def _copy(finished, tmp_path):
+    wd = tmp_path / "run"
+    shutil.copytree(finished, wd)
+    return wd
+
+
+def _restores(wd, step, model=None):
+    tc, mc = _cfg(wd), model or get_config("tiny_gpt2")
+    _, state, _ = init_state(mc, tc)
+    with Checkpointer(os.path.join(wd, "checkpoints"), async_save=False) as ckpt:
+        restored, _ = ckpt.restore(state, step)
+    return int(restored.step) == step
+
+
+def test_corrupted_latest_checkpoint_names_its_directory_and_changes_nothing(finished, tmp_path):
+    wd = _copy(finished, tmp_path)
+    step2 = wd / "checkpoints" / "2"
+    (step2 / "state" / "_METADATA").write_text("")
+    before = sorted(os.listdir(wd / "checkpoints"))
+    with pytest.raises(CheckpointError, match=r"checkpoints/2 cannot be restored.*resume from step 1"):
+        _train(wd, steps=3)
+    assert sorted(os.listdir(wd / "checkpoints")) == before == ["1", "2"]
+    assert _restores(wd, 1)
+    shutil.move(str(step2), str(tmp_path / "aside"))  # the hint's remedy resumes from step 1
+    assert _train(wd, steps=3)["step"] == 3
+
+
+def test_corrupted_checkpoint_is_a_one_line_cli_error(tmp_path, capsys):
+    wd = tmp_path / "run"
+    args = ["--config", "tiny_gpt2", "--workdir", str(wd), "--data", "mqar", "--set", "batch_size=2",
+            "--set", "seq_len=64", "--set", "progress=false", "--set", "eval_batches=1"]
+    assert train_main(["--steps", "1", *args]) == 0
+    shutil.rmtree(wd / "checkpoints" / "1" / "state")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_main(["--steps", "2", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "cannot be restored" in err and str(wd / "checkpoints" / "1") in err
+    assert os.listdir(wd / "checkpoints") == ["1"]
+
+
+def test_checkpoint_of_another_model_keeps_the_workdir_as_it_was(finished, tmp_path):
+    wd = _copy(finished, tmp_path)
+    os.remove(wd / "config.json")  # no record to compare against: the checkpoint itself must refuse
+    other = get_config("tiny_gpt2").replace(d_model=96)
+    with pytest.raises(CheckpointError, match=r"checkpoints/2 cannot be restored.*other settings"):
+        _train(wd, steps=3, model=other)
+    assert not (wd / "config.json").exists()  # not relabelled with the refused model's config
+    assert sorted(os.listdir(wd / "checkpoints")) == ["1", "2"] and _restores(wd, 2)
+
+
+def test_seq_len_beyond_the_learned_positions_is_refused_before_writing(tmp_path, capsys):
+    wd = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"TrainConfig.seq_len: 600 exceeds .*max_seq_len=512"):
+        train(dataclasses.replace(_cfg(wd, 1), seq_len=600), get_config("tiny_gpt2"), lambda split: None)
+    assert not wd.exists()
+    with pytest.raises(SystemExit) as e:
+        train_main(["--config", "tiny_gpt2", "--steps", "1", "--workdir", str(wd), "--data", "mqar",
+                    "--set", "seq_len=600"])
+    assert e.value.code == 2 and "seq_len" in capsys.readouterr().err and not wd.exists()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("lr", math.nan), ("lr", math.inf), ("lr", 0.0), ("min_lr_ratio", math.nan), ("weight_decay", math.nan),
+    ("weight_decay", -0.1), ("b1", 1.0), ("b2", math.nan), ("grad_clip", math.nan), ("grad_clip", -1.0),
+    ("grad_clip", 0.0), ("moe_bias_rate", math.nan), ("warmup_steps", -1), ("warmup_steps", 2.5),
+    ("eval_every", -1), ("seed", -1), ("batch_size", 2.5), ("seq_len", True), ("steps", "10"),
+])
+def test_train_config_refuses_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{field}: must be"):
+        TrainConfig(**{field: value})
+
+
+def test_set_nan_is_a_cli_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_main(["--config", "tiny_gpt2", "--steps", "1", "--workdir", str(tmp_path / "r"), "--set", "lr=nan"])
+    assert e.value.code == 2 and "TrainConfig.lr: must be finite" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_set_model_prefix_with_a_train_field_says_so():
+    with pytest.raises(ValueError, match=r"'model\.lr'; 'lr' is a TrainConfig field \(--set lr=\.\.\.\)"):
+        apply_overrides(TrainConfig(), get_config("tiny_gpt2"), ["model.lr=1e-3"])
+
+
+def test_valid_configs_still_accepted():
+    TrainConfig(lr=1, warmup_steps=0, eval_every=0, b1=0.0, b2=0.999, weight_decay=0, min_lr_ratio=1, seed=2**32 - 1)
+    tc, mc = apply_overrides(TrainConfig(), get_config("tiny_gpt2"), ["lr=1e-3", "model.d_model=128"])
+    assert tc.lr == 1e-3 and mc.d_model == 128
