@@ -1103,7 +1103,7 @@ def _check_gate_bound(g, gate, bound):
     except jax.errors.ConcretizationTypeError:  # traced (under jit): cannot be checked
         gmin = None
     if gmin is not None:
-        if not gmin >= bound:  # also catches NaN
+        if not gmin >= float(np.float32(bound)):  # in float32, as the gates; also catches NaN
             raise ValueError(f"`gate_lower_bound={bound}` is set but the gates reach {gmin:g} < {bound}: the "
                              "bounded-gate kernels would overflow. Clip or bound the gates (e.g. g = "
                              f"{bound}·sigmoid(·)), or leave `gate_lower_bound=None` for the exact kernels.")
@@ -1147,7 +1147,8 @@ def _check_inputs(fn, q, k, v, g, beta, *, gate, initial_state, segment_ids):
             continue
         try:  # reduced where the array lives: two scalars back to the host, not the array
             x = jnp.asarray(x)
-            bad, top = jax.device_get((jnp.sum(~jnp.isfinite(x)), jnp.max(jnp.where(jnp.isfinite(x), x, -jnp.inf))))
+            finite = jnp.isfinite(x)
+            bad, top = jax.device_get((jnp.sum(~finite), jnp.max(jnp.where(finite, x, -jnp.inf), initial=-jnp.inf)))
             bad, top = int(bad), float(top)
         except jax.errors.ConcretizationTypeError:  # a constant captured inside jit: traced, not read
             continue

@@ -144,7 +144,10 @@ def check_log_decay(fn: str, name: str, g: Any, lower_bound: float | None = None
             f"max is {high:.4g}. Map raw gate logits with e.g. "
             "-softplus(x) or jax.nn.log_sigmoid(x)."
         )
-    if lower_bound is not None and low < lower_bound:
+    # the bound in the gates' own precision: a gate at a bound float32 cannot hold (-0.3) is not below it
+    dtype = jnp.dtype(getattr(g, "dtype", "float32"))
+    bound = None if lower_bound is None else float(np.asarray(lower_bound, dtype=dtype))
+    if bound is not None and low < bound:
         raise ValueError(
             f"{fn}: `{name}` (log-decay) reaches {low:.4g}, below `gate_lower_bound`={lower_bound}; "
             "bound the gates by construction (e.g. g = gate_lower_bound·sigmoid(·)) or leave the bound unset"

@@ -100,7 +100,10 @@ def _check_attention(fn: str, q: Array, k: Array, v: Array, causal: bool, segmen
     for name, a in (("q", q), ("k", k), ("v", v)):
         V.require_float(fn, name, a)
     _check_heads(fn, H, Hk)
-    if not isinstance(causal, (bool, np.bool_)):
+    concrete_bool = isinstance(causal, (bool, np.bool_)) or (
+        np.shape(causal) == () and getattr(causal, "dtype", None) == np.bool_
+        and not isinstance(causal, jax.core.Tracer))
+    if not concrete_bool:
         raise ValueError(f"{fn}: `causal` must be a bool, got {causal!r}")
     if causal and S != T:
         raise ValueError(f"{fn}: causal attention needs as many keys as queries; `k` has S={S}, `q` has T={T}")

@@ -58,3 +58,17 @@ def test_traced_values_are_not_read(monkeypatch):
     assert out[0].shape == (B, T, H, D)
     with pytest.raises(ValueError, match=r"chunk_kda: `g` must have shape"):
         jax.eval_shape(lambda g: kd.chunk_kda(q, k, v, g, beta), g_s)
+
+
+@pytest.mark.parametrize("bound", [-0.3, -1.1])
+def test_gates_at_the_bound_are_accepted(bound):
+    """The bounded-gate check compares in the gates' float32: a gate at a bound float32 cannot hold passes."""
+    assert kd._check_gate_bound(jnp.full((B, T, H, D), bound), "channel", bound) == bound
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        kd._check_gate_bound(jnp.full((B, T, H, D), bound * 1.01), "channel", bound)
+
+
+def test_an_empty_batch_reaches_the_kernels(monkeypatch):
+    monkeypatch.setattr(kd, "_delta", lambda q, k, v, g, beta, **kw: (v, None))
+    z = jnp.zeros((0, T, H, D))
+    assert kd.chunk_kda(z, z, z, z, jnp.zeros((0, T, H)))[0].shape == (0, T, H, D)

@@ -122,3 +122,20 @@ def test_values_are_not_read_under_jit():
     bad = kv_cache(length=jnp.full((B,), -3, jnp.int32))
     o, _ = jax.jit(M.softmax_attention_extend)(q, k, v, bad)
     assert o.shape == (B, T, H, D)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bound", [-0.3, -1.1, -5.0])
+def test_gates_at_the_bound_are_accepted(bound, dtype):
+    """A gate exactly at ``gate_lower_bound`` (a saturated ``bound·σ(·)``) passes, also where float32
+    cannot hold the bound; one just below it is refused."""
+    M.kda(q, k, v, jnp.full((B, T, H, D), bound, dtype), beta, gate_lower_bound=bound)
+    with pytest.raises(ValueError, match="below `gate_lower_bound`"):
+        M.kda(q, k, v, jnp.full((B, T, H, D), bound * 1.01, dtype), beta, gate_lower_bound=bound)
+
+
+def test_causal_takes_a_concrete_bool_array():
+    want = M.softmax_attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(np.asarray(M.softmax_attention(q, k, v, causal=jnp.bool_(True))), np.asarray(want))
+    with pytest.raises(ValueError, match="`causal` must be a bool"):
+        M.softmax_attention(q, k, v, causal=jnp.int32(1))
