@@ -3,7 +3,8 @@
 See :mod:`kernels.delta.api` for the public functions and the GPU/TPU choices (which GPU
 lowering runs each kernel, Triton or Mosaic GPU, and the measurements behind it),
 :mod:`kernels.delta.tiles` for the in-kernel math and its numerics, and
-:mod:`kernels.delta.kernels` for the five kernel bodies.
+:mod:`kernels.delta.kernels` for the kernel bodies; docs/kernels.md for the design, the launch
+defaults and the measurements behind them.
 """
 
 from .api import (  # noqa: F401

@@ -1,38 +1,31 @@
 """Public API, layouts and the ``custom_vjp`` of the chunked delta-rule kernels.
 
-GPU: the Pallas **Triton** lowering for the parallel (intra-chunk) kernels and the forward state
-pass; the backward state pass on **Mosaic GPU** (:mod:`kernels.delta.mosaic_gpu`) where it is
-faster, and both state passes kept on both lowerings and tested against each other. The choice, and
-the evidence: JAX 0.11 deprecates the Triton lowering in favour of Mosaic GPU (wgmma, TMA, warp
-specialisation). The Triton lowering takes ordinary ``jnp``/``lax`` bodies (``where``, ``exp``,
-reductions, small ``dot_general`` calls, ``fori_loop``) — the tile math this rule needs, shared
-verbatim with the TPU kernels in :mod:`kernels.delta.tiles` — and runs with ``interpret=True`` on
-the CPU with the same code. Mosaic GPU has no ``dot_general``: its kernels are written at the
-warpgroup level (explicit SMEM tiles, TMA copies, barriers, 64-row ``wgmma`` tiles), so they cannot
-share a body with the TPU kernels; the intra-chunk kernels stay on Triton until they are ported.
-The state passes, the latency-bound loops where wgmma and TMA should pay most, exist on both
-lowerings (same arguments and results); on few long sequences they run split into segments
-(``state_split``: "Split sequences" below). Timed alone on one H200 (bf16, H 16, D 128, ms, Mosaic GPU
-/ Triton, the training forward's passes; docs/benchmarks.md, "Mosaic GPU state passes"): forward
-0.295 / 0.257 at (2, 8192) and 0.175 / 0.308 at (8, 2048); backward 0.390 / 0.370 at (2, 8192). Inside the whole
-fwd+bwd the Mosaic GPU backward pass was faster at (8, 2048) (256 programs: DeltaNet 2.58 against
-2.74 ms, GDN 3.44 / 3.60, KDA 4.34 / 4.56) and slower at (2, 8192) (64 programs: 3.21 / 2.87,
-3.86 / 3.63, 4.68 / 4.55), so on Hopper GPUs it is the default from ``MOSAIC_BWD_PROGRAMS`` = 256
-programs on (``state_bwd="auto"``; ``"triton"`` / ``"mosaic"`` force one). Timed paired in one process
-with the current kernels (Triton / Mosaic GPU fwd+bwd; docs/benchmarks.md) the Triton pass is faster at
-128 programs ((4, 4096): 0.96–0.99), the two are even at 256 ((8, 2048): 0.98–1.01) and Mosaic GPU is
-faster at 512 ((16, 1024): Triton 1.06–1.09). The forward stays on Triton because
-the Triton pass takes the output too (``Spec.fuse_output``), which the Mosaic GPU pass does not.
-If the Triton lowering is removed, the state passes keep running on Mosaic GPU; the intra-chunk
-kernels would need the same port. GPU chunks are 32 tokens (two 16-row tiles): Triton's compile
-time grows steeply with the unrolled tile pairs (see :func:`default_chunk`), and at 64 tokens the
-state passes take about half their time but the forward's intra-chunk kernel 5–7× its own (one
-H200, DeltaNet and GDN; docs/benchmarks.md, "What limits them") — 2.8–2.9× in the whole-chunk form
-(``intra="whole"``, the 16-bit default, KDA's in its forward kernel: :func:`default_intra`), 1.7× when it
-builds the chunk from two whole halves (``intra="halves"``, the default at 64), which then pays only for DeltaNet's
-forward and fwd+bwd at (2, 8192) (0.945×, 0.944×; 1.1–1.4× elsewhere). GPU chunks go up to
-``GPU_MAX_CHUNK`` = 64 tokens. Measured against fla's Triton kernels in the same process:
-docs/benchmarks.md.
+GPU lowering: the Pallas **Triton** lowering runs the intra-chunk kernels and the forward state
+pass; the backward state pass runs on **Mosaic GPU** (:mod:`kernels.delta.mosaic_gpu`) where that is
+faster; both state passes exist on both lowerings, with the same arguments and results, and are
+tested against each other.
+
+The choice, and the evidence (one H200, bf16, H 16, D 128; docs/kernels.md, "Mosaic GPU state
+passes" and the ``state_bwd`` knob). JAX 0.11 deprecates the Triton lowering in favour of Mosaic GPU
+(wgmma, TMA, warp specialisation). The Triton lowering takes ordinary ``jnp``/``lax`` bodies
+(``where``, ``exp``, reductions, small ``dot_general`` calls, ``fori_loop``): the tile math of
+:mod:`kernels.delta.tiles`, shared verbatim with the TPU kernels and run with ``interpret=True`` on a
+CPU. Mosaic GPU has no ``dot_general``: its kernels are written at the warpgroup level (SMEM tiles,
+TMA copies, barriers, 64-row ``wgmma`` tiles) and cannot share a body with the TPU kernels. The state
+passes, the latency-bound loops where wgmma and TMA should pay most, are therefore written for both.
+Timed alone (ms, Mosaic GPU / Triton, the training forward's passes): forward 0.295 / 0.257 at
+(2, 8192) and 0.175 / 0.308 at (8, 2048); backward 0.390 / 0.370 at (2, 8192). Paired in whole
+fwd+bwd calls, Triton / Mosaic GPU backward pass: 0.96–0.99 at 128 programs ((4, 4096)), 0.98–1.01
+at 256 ((8, 2048)), 1.06–1.09 at 512 ((16, 1024)); so on Hopper GPUs the backward pass runs on
+Mosaic GPU from ``MOSAIC_BWD_PROGRAMS`` = 256 programs (``state_bwd="auto"``; ``"triton"`` /
+``"mosaic"`` force one). The forward pass stays on Triton because it also takes the output
+(``Spec.fuse_output``), which the Mosaic GPU pass does not. If the Triton lowering is removed, the
+state passes keep running on Mosaic GPU; the intra-chunk kernels would need the same port.
+
+GPU chunks are 32 tokens (two 16-row tiles), up to ``GPU_MAX_CHUNK`` = 64: at 64 the state passes
+take about half their time, but the forward's intra-chunk kernel 2.8–6.7× its own (:func:`default_chunk`,
+:func:`default_intra`; docs/kernels.md, "Why C = 32"). Speed against flash-linear-attention's Triton
+kernels in the same process: docs/benchmarks.md.
 
 TPU: Mosaic. Tensors go head-major ``[B, H, T, D]`` so every block's last two
 dims are ``(C, 128·m)`` (chunk rows × lanes; K and V are padded to 128) or equal
@@ -41,20 +34,16 @@ passes put the chunk axis last in the grid (``"arbitrary"``) with the state in a
 VMEM scratch buffer. No cumsum or triangular solve is lowered: prefix sums are
 triangle matmuls and the solve is forward substitution on 16×16 tiles.
 
-Gate kinds (:class:`~kernels.delta.tiles.Cfg` ``gate``): "none" (DeltaNet), "scalar" (Gated
-DeltaNet: the gate rides as a ``[C, 1]`` column and every score tile's decay is one ``[16, 16]``
-``exp`` of in-tile differences; the gate's gradient — row sums and ``Σ S ⊙ dS`` in the scores
-kernel, the in-chunk prefix sums after it in XLA (:func:`_gate_grad`) — makes the backward's scores
-kernel 1.5× DeltaNet's on one H200 (0.524 against 0.347 ms at (2, 8192), commit cce6b62), about three
-quarters of the difference between their fwd+bwd times: docs/benchmarks.md; the 16-bit whole-chunk
-kernels read the gate as its chunk-local prefix sums, :func:`_gate_in`) and "channel" (KDA: a 16×16 diagonal
-tile is one matmul anchored at its middle row when its gates keep ``|G_i − G_mid| <= 64`` — always
-with ``gate_lower_bound``; with exact gates on GPUs the backward's kernels decide it per tile at
-run time (``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an exact 16-step loop on the tiles
-whose gates are steeper, and the forward runs the bounded-gate kernel on every chunk, then the
-per-tile kernel on the chunks it flags (``ANCHORED_FWD``). On one H200 (bf16, B 2, T 8192, H 16,
-D 128, the benchmark's gates ``>= −0.2``) the exact intra-chunk forward takes 0.66 ms in two passes
-(commit cce6b62) against 0.95 ms for the per-tile kernel alone (commit f9d357a): docs/benchmarks.md).
+Gate kinds (:class:`~kernels.delta.tiles.Cfg` ``gate``): "none" (DeltaNet); "scalar" (Gated
+DeltaNet: every score's decay is an ``exp`` of differences of the gate's chunk-local prefix sums,
+which the 16-bit whole-chunk kernels read from XLA, :func:`_gate_in`; the gate's gradient is row sums
+and ``Σ S ⊙ dS`` in the backward's scores kernel, then the in-chunk prefix sums in XLA,
+:func:`_gate_grad`); "channel" (KDA: a diagonal tile, or with 16-bit inputs in the forward the whole
+chunk, is one matmul anchored at its middle row when its gates' span allows it — always with
+``gate_lower_bound``; with exact gates on GPUs the backward's kernels decide it per tile at run time
+(``tiles.Chunk.anchor_safe``, a ``lax.cond``) and run an exact 16-step loop on the tiles whose gates
+are steeper, and the forward runs the anchored kernel on every chunk, then the per-tile kernel on the
+chunks it flags, ``ANCHORED_FWD``).
 
 Entry points: :func:`chunk_delta_rule`, :func:`chunk_gated_delta_rule`,
 :func:`chunk_kda` — ``[B, T, H, D]`` in, ``(o [B, T, H, V], S [B, H, K, V] f32)``
@@ -106,7 +95,7 @@ ANCHORED_BWD = ("none", "scores")
 # the exact loop (``tiles.Chunk.diag_tile``). Same outputs up to rounding. Paired on one H200 (bf16,
 # gates in (−0.2, 0), no chunk flagged), fixup / fused: forward 0.80–0.83, fwd+bwd 0.90–0.92 at
 # (2, 8192), (8, 2048), (1, 32768); with every chunk flagged the second pass reruns the whole forward
-# (``kernel_bench --ab_gate_scale``; docs/benchmarks.md, "Launch knobs").
+# (``kernel_bench --ab_gate_scale``; docs/kernels.md, "Launch knobs").
 ANCHORED_FWD = ("fused", "fixup")
 # GPU state passes: Triton software-pipelines the loads of the next chunks (W, U, k, the decay) under
 # the current chunk's matmuls. On one H200 (bf16, (2, 8192), H 16, D 128, bv 32) state fwd + bwd
@@ -839,7 +828,7 @@ def default_chunk(target: str) -> int:
     time grows steeply with the unrolled tile pairs: ~9 s at 32 vs ~45 s at 64 per config)
     and registers in range; forward calls at 64 took 2.3–3.4× with the tile kernels, 1.9–2.1× with the
     whole-chunk ones and, with the two-halves forward kernel (:func:`default_intra`), 0.945× for DeltaNet at
-    (2, 8192) but 1.10–1.42× for GDN and at (8, 2048) and (1, 32768), on one H200 (docs/benchmarks.md);
+    (2, 8192) but 1.10–1.42× for GDN and at (8, 2048) and (1, 32768), on one H200 (docs/kernels.md);
     TPU: 64 (MXU-sized tiles, Mosaic compiles the unrolled code)."""
     return 64 if target == "tpu" else 32
 
@@ -848,7 +837,7 @@ def default_bv(BH: int, V: int) -> int:
     """GPU: width of the value blocks the sequential state passes split V into (one program each).
     The passes are latency-bound loops over chunks, so more programs help until the GPU is full:
     32-wide blocks, or 16-wide where that leaves fewer than ``STATE_PROGRAMS`` programs. Measured
-    on one H200 (state fwd + bwd, bf16, H 16, D 128, 3 stages; docs/benchmarks.md): at (2, 8192)
+    on one H200 (state fwd + bwd, bf16, H 16, D 128, 3 stages; docs/kernels.md): at (2, 8192)
     bv 32 1.07 ms against 1.31 (16) and 1.75 (64); at (1, 32768) bv 16 2.92 ms against 3.12 (32)."""
     bv = min(V, 32)
     while bv > 16 and BH * (V // bv) < STATE_PROGRAMS:
@@ -862,7 +851,7 @@ def default_chunks_per_program(target: str, gate: str, N: int, C: int = 32, low:
     "scores" or "solve"): on GPUs ``PROGRAM_CHUNKS`` where it divides the chunk count, except for the
     scores kernel of scalar gates (GDN), which took longer looping (paired, one H200: DeltaNet and KDA
     fwd+bwd 0.88–0.96×, GDN 1.05× with the tile kernels, 1.007–1.014× with the whole-chunk ones, 1.016–1.026×
-    at commit 1233476; ``docs/benchmarks.md``). The solve kernel is the same gate-free kernel for every rule
+    at commit 1233476; ``docs/kernels.md``). The solve kernel is the same gate-free kernel for every rule
     and loops for GDN too: its fwd+bwd took 0.990 at (2, 8192) and 0.986 at (8, 2048) (commit 2007b45
     against a copy looping it; ``knobs_h200.json``, ``paired.gdn_solve_chunks``). Except also
     where the looped scores kernels' pipelined loads do not fit a Hopper GPU's 227 KB of shared memory
@@ -913,7 +902,7 @@ def default_transposed_state(target: str, gate=None, programs=None, bv=None, low
     update as a ``wgmma`` it waits on and its 32-row products with two warps on each row block (ptxas,
     bf16: 128 registers and 768 SASS instructions per thread for DeltaNet's undifferentiated loop,
     against 202 and 824). Paired on one H200
-    (H 16, D 128, ``kernel_bench --parts ab``, ``docs/benchmarks.md``), transposed / untransposed forward:
+    (H 16, D 128, ``kernel_bench --parts ab``, ``docs/kernels.md``), transposed / untransposed forward:
     bf16 at (2, 8192) 0.80 (DeltaNet), 0.88 (KDA, exact and bounded), 0.89 (GDN, ``eout`` read as a
     ``[1, C]`` row per chunk); at (8, 2048) 0.89, 0.93, 0.97; at (1, 32768), split passes with 128-wide
     blocks, 0.93, 0.96, 0.92; f32 at (2, 8192) 0.66, 0.62, 0.66 and at (1, 32768) (64-wide split blocks)
@@ -940,7 +929,7 @@ def default_warps_state(bv: int, low: bool = True) -> int:
     KDA, 20 / 40 B for GDN's forward / backward pass) and for f32 inputs (``low=False``: each product is
     six bf16 MMAs, ``tiles.BF16X6``, so a step is compute- rather than latency-bound; paired on one H200
     at (2, 8192), 32-wide blocks, 8 warps against 4: forward 0.91× (DeltaNet) and 0.95× (KDA), fwd+bwd
-    0.99× and 0.96×, ``docs/benchmarks.md``), else 4 (bf16: 8 warps took the forward to 1.08–1.32×)."""
+    0.99× and 0.96×, ``docs/kernels.md``), else 4 (bf16: 8 warps took the forward to 1.08–1.32×)."""
     return 8 if bv >= 128 or not low else 4
 
 
@@ -1052,7 +1041,7 @@ def default_warps_fwd(gate: str, num_warps: int, low: bool = True, C: int = 32) 
     whole-chunk kernel (:func:`default_intra`) keeps 2: at 4 warps the forward took 1.12× (DeltaNet)
     and 1.11× (GDN) at (2, 8192), fwd+bwd 1.03×. Chunks above 32 tokens take ``num_warps``: at C = 64
     the whole-chunk kernel does not fit 2 warps (ptxas, sm_90a, bf16: 32 registers and 95 KB of spills per
-    thread for DeltaNet) and took 0.546 ms at 4 warps against 0.800 at 8 ((2, 8192), docs/benchmarks.md)."""
+    thread for DeltaNet) and took 0.546 ms at 4 warps against 0.800 at 8 ((2, 8192), docs/kernels.md)."""
     return 2 if (low and gate != "channel" and C <= 32) else num_warps
 
 
@@ -1076,7 +1065,7 @@ def default_warps_scores(gate: str, num_warps: int, low: bool = True) -> int:
     ``num_warps``. On one H200 (bf16, (2, 8192), H 16, D 128) KDA's intra-chunk backward took
     4.23 ms with 4 warps and 3.48 with 8; DeltaNet's 1.44 with 4 and 2.40 with 8 (all its kernels
     at 8 warps). With f32 inputs 8 warps took DeltaNet's fwd+bwd to 0.37× and GDN's to 0.40×
-    (paired, ``docs/benchmarks.md``)."""
+    (paired, ``docs/kernels.md``)."""
     return 8 if gate == "channel" or not low else num_warps
 
 

@@ -403,7 +403,7 @@ def intra_fwd_halves(cfg: Cfg, *refs, residuals: bool = True):
     H 16, D 128, C = 64 at 4 warps against the default C = 32 whole-chunk forward): this kernel took 0.307 ms (DeltaNet)
     and 0.399 (GDN) at (2, 8192) against 0.185 and 0.229, more than the C = 64 state pass saves, so the
     forward took 0.945× (DeltaNet) and 1.10× (GDN) there, 1.16–1.42× at (8, 2048) and (1, 32768)
-    (docs/benchmarks.md, "Chunks of 64 from two halves")."""
+    (docs/kernels.md, "Chunks of 64 from two halves")."""
     assert not cfg.channel, "intra_fwd_halves: scalar or no gates"
     r, outs = _split_in(cfg, refs, ("q", "k", "v", "g", "beta", "doc"))
     w_ref, u_ref, m_ref, qin_ref, kout_ref, dend_ref, kk = _whole_outs(cfg, outs)
@@ -519,7 +519,7 @@ def _lagged_decay(cfg: Cfg, dend_ref, n_chunks: int, step, first, row=None):
     apart and combine them a step late (``S_n = d_{n−1} ⊙ S_{n−1} + k_outᵀ Ũ_{n−1}``), so that ``d``
     feeds that step's matmuls: Triton's pipeliner then prefetches it with the matmuls' operands. A
     load that fed only the carried state was not pipelined and waited on memory inside every step,
-    even issued a step ahead (``docs/benchmarks.md``, "State passes: every load pipelined").
+    even issued a step ahead (``docs/kernels.md``, "State passes: every load pipelined").
     ``row``: as a row, which scales the columns of a transposed state ``Sᵀ [bv, K]``: ``"full"`` the
     ``[K, 1]`` column turned into a ``[1, K]`` row (a scalar decay's number K times), ``"block"``
     :func:`_d_row` (``[1, 1]`` for a scalar decay); None: the ``[K, 1]`` column (:func:`_d_end`). Triton
