@@ -51,6 +51,7 @@ class Attention(nnx.Module):
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim),
                           ("num_kv_heads", num_kv_heads)):
             V.require_positive_int("Attention", name, val)
+        V.require_bool("Attention", "use_bias", use_bias)
         if num_heads % num_kv_heads:
             raise ValueError(f"Attention: `num_kv_heads` ({num_kv_heads}) must divide `num_heads` ({num_heads})")
         if rope_theta is not None:

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lineage_jax.memory import _validate as V
+
 Array = jax.Array
 Axes = tuple[Optional[str], ...]
 
@@ -61,6 +63,7 @@ class Dense(nnx.Module):
 
     def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], *, axes: Axes,
                  rngs: nnx.Rngs, use_bias: bool = False, std: Optional[float] = None):
+        V.require_bool("Dense", "use_bias", use_bias)
         out = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         self.out_shape = out
         std = in_features ** -0.5 if std is None else std

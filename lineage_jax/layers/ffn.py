@@ -54,6 +54,8 @@ class MLP(nnx.Module):
             raise ValueError(f"MLP: `kind` must be one of {KINDS}, got {kind!r}")
         V.require_positive_int("MLP", "d_model", d_model)
         V.require_positive_int("MLP", "hidden", hidden)
+        V.require_bool("MLP", "use_bias", use_bias, allow_none=True,
+                       none_means="the kind's default: biases with 'gelu' only")
         self.kind = kind
         bias = (kind == "gelu") if use_bias is None else use_bias
         if kind == "gelu":

@@ -60,6 +60,7 @@ from jax.experimental import pallas as pl
 
 from lineage_jax.layers.ffn import glu
 from lineage_jax.layers.grouped import RESIDUALS, _layout, _out_dtype, _rows, checkpoint_name
+from lineage_jax.memory._validate import require_bool
 
 try:  # present in jax 0.10 and 0.11
     from jax.experimental.pallas import triton as pltriton
@@ -431,6 +432,8 @@ def gmm(x: Array, w: Array, group_sizes: Array, *, tile: int = 128, block_k: Opt
     """
     if not _pow2_at_least_16(tile):
         raise ValueError(f"gmm: `tile` must be a power of two >= 16 for the Pallas kernels, got {tile!r}")
+    require_bool("gmm", "interpret", interpret, allow_none=True,
+                 none_means="the default: interpreted on the CPU backend")
     x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
     cdt = jnp.promote_types(x.dtype, w.dtype)
     p = plan(x.shape[1], w.shape[2], int(tile), np.dtype(cdt).itemsize, block_k, block_n)
@@ -565,6 +568,8 @@ def routed_experts(z: Array, expert_idx: Array, weights: Array, w_gate: Array, w
     """
     if not _pow2_at_least_16(tile):
         raise ValueError(f"routed_experts: `tile` must be a power of two >= 16, got {tile!r}")
+    require_bool("routed_experts", "interpret", interpret, allow_none=True,
+                 none_means="the default: interpreted on the CPU backend")
     n, wd = z.shape
     e, _, h = w_gate.shape
     k = expert_idx.shape[1]

@@ -81,6 +81,7 @@ def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array
       ``(y [B, T, C], new_prefix [B, W−1, C])``; the new prefix keeps the incoming
       prefix's dtype (a cache's dtype does not change from step to step).
     """
+    V.require_bool("causal_conv", "kernel", kernel)
     B, T, C = x.shape
     W = w.shape[0]
     from lineage_jax.layers import conv_pallas
@@ -169,6 +170,10 @@ class MemoryMixer(nnx.Module):
         if (isinstance(norm_eps, bool) or not isinstance(norm_eps, numbers.Real) or not math.isfinite(norm_eps)
                 or not norm_eps > 0):
             raise ValueError(f"MemoryMixer: `norm_eps` must be a positive finite number, got {norm_eps!r}")
+        V.require_bool("MemoryMixer", "output_norm", output_norm, allow_none=True, none_means="the rule's default")
+        for name, val in (("silu_v", silu_v), ("allow_neg_eigval", allow_neg_eigval),
+                          ("output_gate_bias", output_gate_bias)):
+            V.require_bool("MemoryMixer", name, val)
         options = resolve_options("MemoryMixer", options, default_backend="auto", backend=backend,
                                   chunk_size=chunk_size)
         if a_init not in A_INITS:

@@ -126,6 +126,8 @@ class MLA(nnx.Module):
         for name, val in dims.items():
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
                 raise ValueError(f"MLA: `{name}` must be a positive int, got {val!r}")
+        for name, val in (("use_rope", use_rope), ("output_gate", output_gate)):
+            V.require_bool("MLA", name, val)
         if use_rope:
             if qk_rope_head_dim % 2:
                 raise ValueError(f"MLA: `qk_rope_head_dim` must be even with use_rope=True, got {qk_rope_head_dim}")

@@ -33,6 +33,17 @@ def require_positive_int(fn: str, name: str, x: Any) -> int:
     return int(x)
 
 
+def require_bool(fn: str, name: str, x: Any, allow_none: bool = False, none_means: str = "the default") -> Any:
+    """A flag: a Python or NumPy bool (``None`` too with ``allow_none``, meaning ``none_means``); returned as a
+    Python bool (or None). A truthy string or int is refused, not read as True."""
+    if allow_none and x is None:
+        return None
+    if not isinstance(x, (bool, np.bool_)):
+        want = f"a bool (or None for {none_means})" if allow_none else "a bool"
+        raise ValueError(f"{fn}: `{name}` must be {want}, got {x!r}")
+    return bool(x)
+
+
 def require_rank(fn: str, name: str, x: Any, rank: int, layout: str) -> None:
     if x is None:
         raise ValueError(f"{fn}: `{name}` is required (expected layout {layout})")

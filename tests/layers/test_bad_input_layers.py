@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from lineage_jax.layers import grouped_pallas as GP
 from lineage_jax.layers.attention import Attention
+from lineage_jax.layers.common import Dense
 from lineage_jax.layers.ffn import MLP
-from lineage_jax.layers.memory_mixer import MemoryMixer
+from lineage_jax.layers.memory_mixer import MemoryMixer, causal_conv
 from lineage_jax.layers.mla import MLA
 from lineage_jax.layers.moe import MoE, RouterStats
 from lineage_jax.models.config import ModelConfig
@@ -28,9 +30,9 @@ def moe(**kw):
     return MoE(Dm, **{**dict(num_experts=4, top_k=2, expert_hidden=8), **kw}, rngs=nnx.Rngs(0))
 
 
-def mla():
+def mla(**kw):
     return MLA(Dm, num_heads=2, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4,
-               rngs=nnx.Rngs(0))
+               rngs=nnx.Rngs(0), **kw)
 
 
 def config(**kw):
@@ -66,6 +68,77 @@ def test_constructors_name_the_argument(build, match):
         build()
 
 
+# ---------------------------------------------------------------------------- boolean flags
+def _empty_gmm(interpret):  # no rows: returns before any kernel runs, after the arguments are checked
+    return GP.gmm(jnp.zeros((0, 16)), jnp.zeros((2, 16, 16)), jnp.zeros((2,), jnp.int32), tile=16,
+                  interpret=interpret)
+
+
+def _empty_routed_experts(interpret):
+    w = jnp.zeros((2, 16, 16))
+    return GP.routed_experts(jnp.zeros((0, 16)), jnp.zeros((0, 1), jnp.int32), jnp.zeros((0, 1)), w, w, w,
+                             "swiglu", tile=16, interpret=interpret)
+
+
+def _conv(kernel):  # with a prefix the XLA form runs whatever `kernel` says
+    return causal_conv(jnp.ones((1, 4, 3)), jnp.ones((2, 3)), jnp.zeros((1, 1, 3)), None, kernel=kernel)
+
+
+# (layer as named in its errors, flag, build(value), whether None means the default)
+BOOL_FLAGS = [
+    ("MemoryMixer", "output_norm", lambda v: mixer(output_norm=v), True),
+    ("MemoryMixer", "silu_v", lambda v: mixer(silu_v=v, conv_size=0), False),
+    ("MemoryMixer", "allow_neg_eigval", lambda v: mixer(allow_neg_eigval=v), False),
+    ("MemoryMixer", "output_gate_bias", lambda v: mixer(output_gate_bias=v), False),
+    ("Attention", "use_bias", lambda v: Attention(Dm, num_heads=2, head_dim=4, use_bias=v, rngs=nnx.Rngs(0)), False),
+    ("MLA", "use_rope", lambda v: mla(use_rope=v), False),
+    ("MLA", "output_gate", lambda v: mla(output_gate=v), False),
+    ("MLP", "use_bias", lambda v: MLP(Dm, 16, use_bias=v, rngs=nnx.Rngs(0)), True),
+    ("Dense", "use_bias", lambda v: Dense(Dm, 4, axes=("embed", "mlp"), use_bias=v, rngs=nnx.Rngs(0)), False),
+    ("gmm", "interpret", _empty_gmm, True),
+    ("routed_experts", "interpret", _empty_routed_experts, True),
+    ("causal_conv", "kernel", _conv, False),
+]
+BOOL_IDS = [f"{layer}.{flag}" for layer, flag, _, _ in BOOL_FLAGS]
+
+
+@pytest.mark.parametrize("value", ["no", "False", 1, 0, 1.0, [True]], ids=repr)
+@pytest.mark.parametrize("layer, flag, build, none_ok", BOOL_FLAGS, ids=BOOL_IDS)
+def test_bool_flags_refuse_other_types(layer, flag, build, none_ok, value):
+    """A truthy string or a number is not read as a flag (``output_norm="no"`` would turn the norm on)."""
+    with pytest.raises(ValueError, match=rf"^{layer}: `{flag}` must be a bool"):
+        build(value)
+
+
+@pytest.mark.parametrize("layer, flag, build, none_ok", [f for f in BOOL_FLAGS if not f[3]],
+                         ids=[i for i, f in zip(BOOL_IDS, BOOL_FLAGS) if not f[3]])
+def test_bool_flags_without_a_default_refuse_none(layer, flag, build, none_ok):
+    with pytest.raises(ValueError, match=rf"^{layer}: `{flag}` must be a bool, got None"):
+        build(None)
+
+
+@pytest.mark.parametrize("layer, flag, build, none_ok", BOOL_FLAGS, ids=BOOL_IDS)
+def test_bool_flags_accept_python_and_numpy_bools(layer, flag, build, none_ok):
+    for value in [True, False, np.bool_(True), np.bool_(False)] + ([None] if none_ok else []):
+        build(value)
+
+
+def test_bool_flag_message_names_the_layer_the_argument_and_the_value():
+    with pytest.raises(ValueError) as e:
+        mixer(output_norm="no")
+    assert str(e.value) == "MemoryMixer: `output_norm` must be a bool (or None for the rule's default), got 'no'"
+
+
+def test_numpy_bools_mean_what_they_say():
+    assert mixer(output_norm=np.bool_(False)).norm is None
+    assert mixer(output_norm=np.bool_(True)).norm is not None
+    assert mixer(rule="linear", conv_size=0, output_norm=None).norm is None  # the rule's default
+    assert MLP(Dm, 16, use_bias=np.bool_(False), rngs=nnx.Rngs(0)).down.bias is None
+    assert MLP(Dm, 16, kind="gelu", rngs=nnx.Rngs(0)).down.bias is not None  # None: the kind's default
+    assert Attention(Dm, num_heads=2, head_dim=4, use_bias=np.bool_(True), rngs=nnx.Rngs(0)).o_bias is not None
+    assert mla(use_rope=np.bool_(True)).use_rope is True
+
+
 # ---------------------------------------------------------------------------- ModelConfig
 @pytest.mark.parametrize("field, value, extra", [
     ("num_experts", "4", {}), ("num_experts", 2.5, {}), ("first_dense_layers", "1", {}),
@@ -77,6 +150,7 @@ def test_constructors_name_the_argument(build, match):
     ("mixer_norm_eps", -1.0, {}),
     ("tie_embeddings", "no", {}), ("attn_bias", "no", {}), ("silu_v", "no", {}), ("allow_neg_eigval", "no", {}),
     ("kda_output_gate_bias", 1, {}), ("rope_truncate", 0, {}), ("mla_output_gate", "no", {}),
+    ("scan_layers", "no", {}), ("scan_unroll", 1, {}),
     ("mla_rope", "no", {"pattern": "M", "kv_lora_rank": 4, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2,
                         "v_head_dim": 4}),
 ])
