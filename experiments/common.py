@@ -8,9 +8,9 @@ prints a table, writes ``<out>/<name>/<name>.json`` and ``<out>/<name>/<name>.pn
 and exposes ``run(quick=False, out="results") -> dict`` returning the same
 JSON-able record. The helpers here build the provenance header (date, git commit,
 jax version, device), the argument parser, the progress bar, the output files
-and the plain-text table. Two scripts differ: ``kernel_bench`` (GPU kernels) has no
-``--quick`` and its own ``main``, and ``kv_read`` writes ``DIR/kv_read.{json,png}`` only
-when given ``--out DIR``.
+and the plain-text table. Two scripts have a ``main`` of their own: ``kernel_bench`` (GPU
+kernels, no ``--quick``) and ``kv_read`` (whose ``run`` takes the cache's sizes and returns the
+rows); both write their record and figure to ``<out>/<name>/`` as the others do.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python -m experiments.kv_read [--quick] [--context 1048576] [--heads 16] [--head-dim 128]
         [--kv-heads H] [--batch 1] [--dtype bfloat16] [--steps 20] [--mla-rank 512] [--mla-rope 64]
-        [--out DIR]    # also DIR/kv_read.json and DIR/kv_read.png
+        [--out DIR]    # writes DIR/kv_read/kv_read.{json,png} (default DIR: results)
 
 A microbenchmark of one layer: ``experiments.decode_scaling`` found MHA's decode
 step at 1M tokens reading its cache at ~7% of the H200's bandwidth (docs/results.md,
@@ -31,15 +31,14 @@ held a temporary as large as the cache (XLA:GPU copied K and V every step), the 
 reduce 469 — the reverse, hence ``"dot"`` on CPUs. ``--quick`` runs those sizes (float32; MLA 128 +
 32) for the options left unset: under a minute on 2 CPU cores.
 
-Unlike the other experiments, nothing is written unless ``--out DIR`` is given; then the record
-(provenance, arguments, rows) goes to ``DIR/kv_read.json`` and a bar chart of the read rates to
-``DIR/kv_read.png``.
+As every experiment, it writes the record (provenance, arguments, rows) to
+``<out>/kv_read/kv_read.json`` and a bar chart of the read rates to ``<out>/kv_read/kv_read.png``
+(``--out``, default ``results``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from typing import Optional
@@ -214,15 +213,16 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--mla-rope", type=C.positive_int, default=None,
                    help=f"MLA rope key width R (the mla_* rows; default: {DEFAULTS['mla_rope']}; "
                         f"--quick: {QUICK['mla_rope']})")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="also write the record to DIR/kv_read.json and the chart to DIR/kv_read.png "
-                        "(default: write nothing)")
+    p.add_argument("--out", default="results", metavar="DIR",
+                   help="write the record to DIR/kv_read/kv_read.json and the chart to DIR/kv_read/kv_read.png "
+                        "(default: %(default)s)")
     a = p.parse_args(argv)
     for key, value in (QUICK if a.quick else DEFAULTS).items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    if a.out is not None and os.path.exists(a.out) and not os.path.isdir(a.out):
-        p.error(f"--out: {a.out!r} exists and is not a directory")
+    for path in (a.out, os.path.join(a.out, NAME)):
+        if os.path.exists(path) and not os.path.isdir(path):
+            p.error(f"--out: {path!r} exists and is not a directory")
     try:
         rows = run(a.context, a.heads, a.head_dim, a.batch, a.dtype, a.steps, a.mla_rank, a.mla_rope, a.kv_heads)
     except ValueError as err:
@@ -234,19 +234,9 @@ def main(argv=None) -> list[dict]:
         temp = "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / r['bytes_read']:.2f}x"
         print(f"{r['form']:12s} {r['ms_per_step']:9.3f} {r['read_gb_per_s']:10.0f} {temp:>11s} "
               f"{r['max_abs_diff_vs_dot']:10.2e}")
-    if a.out:
-        import matplotlib.pyplot as plt
-
-        os.makedirs(a.out, exist_ok=True)
-        record = dict(C.provenance(NAME, a.quick), args=vars(a), rows=rows)
-        js, png = os.path.join(a.out, f"{NAME}.json"), os.path.join(a.out, f"{NAME}.png")
-        fig = plot(record)
-        fig.savefig(png, dpi=120, bbox_inches="tight")
-        plt.close(fig)
-        record["files"] = {"json": js, "png": png}
-        with open(js, "w") as f:
-            json.dump(C.to_jsonable(record), f, indent=1)
-        print(f"\nwrote {js} and {png}")
+    record = dict(C.provenance(NAME, a.quick), args=vars(a), rows=rows)
+    record = C.finish(record, NAME, a.out, plot(record))
+    print(f"\nwrote {record['files']['json']} and {record['files']['png']}")
     return rows
 
 

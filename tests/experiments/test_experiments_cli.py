@@ -198,11 +198,11 @@ def test_kv_read_names_a_bad_dtype(capsys):
 def test_kv_read_quick_keeps_explicit_sizes_and_writes_json_and_png(tmp_path, capsys):
     rows = kv_read.main(["--quick", "--context", "64", "--heads", "2", "--head-dim", "8", "--steps", "1",
                          "--mla-rank", "8", "--mla-rope", "8", "--out", str(tmp_path)])
-    rec = json.loads((tmp_path / "kv_read.json").read_text())
+    rec = json.loads((tmp_path / "kv_read" / "kv_read.json").read_text())
     assert rec["rows"] == rows and rec["quick"] and "git_commit" in rec and "git_dirty" in rec
     assert (rec["args"]["context"], rec["args"]["heads"], rec["args"]["dtype"]) == (64, 2, "float32")
     assert rows[0]["bytes_read"] == 64 * 2 * 2 * 8 * 4  # float32: --quick's dtype, the one option left unset
-    assert (tmp_path / "kv_read.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "kv_read" / "kv_read.png").read_bytes()[:4] == b"\x89PNG"
     assert "wrote" in capsys.readouterr().out
 
 

@@ -16,7 +16,7 @@ def test_three_reads_agree_and_are_reported(tmp_path, capsys):
         per_token = 24 if r["form"].startswith("mla") else 2 * 4 * 16  # --mla-rank 16 + --mla-rope 8
         assert r["bytes_read"] == 2 * 512 * per_token * 4
         assert r["max_abs_diff_vs_dot"] < 1e-5  # the same first step's output from every form of a family
-    assert json.loads((tmp_path / "kv_read.json").read_text())["rows"] == rows
+    assert json.loads((tmp_path / "kv_read" / "kv_read.json").read_text())["rows"] == rows
     assert "heads_major" in capsys.readouterr().out
     with pytest.raises(ValueError, match="context"):
         probe.run(5, 4, 16, 1, "float32", 2)  # 2 timed + 3 warm-up writes need 6 slots
