@@ -8,12 +8,7 @@ from lineage_jax import generate as G
 from lineage_jax.models import config_names
 from lineage_jax.train.__main__ import main as train_main
 
-# The CLI smoke run: three configs in the default suite (softmax, a delta rule, the MoE + MLA +
-# AttnRes hybrid); every other tiny config under -m slow (their layers are the default suite's
-# tests/layers and their models tests/layers/test_models.py).
-_DEFAULT = ("tiny_gpt2", "tiny_kda", "tiny_kimi_linear")
-TINY = [n if n in _DEFAULT else pytest.param(n, marks=pytest.mark.slow)
-        for n in config_names() if n.startswith("tiny_")]
+TINY = [n for n in config_names() if n.startswith("tiny_")]
 SMALL = ["--set", "seq_len=64", "--set", "batch_size=2", "--set", "log_every=1", "--set", "progress=false",
          "--set", "eval_batches=1"]
 
