@@ -590,15 +590,16 @@ def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_
         except Exception:  # noqa: BLE001
             fla = None
     out = results.setdefault("profile", {})
-    for (B, T) in shapes:
+    tag = "" if dtype == "bf16" else f" {dtype}"
+    keys = {(B, T): [(rule, mode, f"({B}, {T}) {rule} {mode}{tag}") for rule in rules for mode in ("fwd", "fwdbwd")]
+            for (B, T) in shapes}
+    # all of ours first, at every shape: once torch's profiler has subscribed to CUPTI, jax.profiler's tracer cannot
+    for (B, T) in shapes if "pallas" in methods else ():
         if over():
             log("budget reached: skipping profile", (B, T))
             continue
         x = make_inputs(B, T, AB_DTYPES[dtype])
-        tag = "" if dtype == "bf16" else f" {dtype}"
-        keys = [(rule, mode, f"({B}, {T}) {rule} {mode}{tag}") for rule in rules for mode in ("fwd", "fwdbwd")]
-        # all of ours first: once torch's profiler has subscribed to CUPTI, jax.profiler's tracer cannot
-        for rule, mode, key in keys if "pallas" in methods else ():
+        for rule, mode, key in keys[B, T]:
             try:
                 f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size), mode, x, rule)
                 jax.block_until_ready(f(*args))
@@ -608,20 +609,25 @@ def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_
             except Exception as ex:  # noqa: BLE001
                 traceback.print_exc()
                 out[key + " pallas"] = {"error": repr(ex)[:2000]}
-        if fla is not None:
-            tx = torch_inputs(x)
-            for rule, mode, key in keys:
-                if rule == "gdn" and mode == "fwdbwd":
-                    continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper
-                try:
-                    out[key + " fla"] = torch_profile(fla_call(fla, rule, mode, tx))
-                except Exception as ex:  # noqa: BLE001
-                    traceback.print_exc()
-                    out[key + " fla"] = {"error": repr(ex)[:2000]}
-            del tx
-        for _, _, key in keys:
-            log(profile_table(results, key))
         del x
+    for (B, T) in shapes if fla is not None else ():
+        if over():
+            log("budget reached: skipping fla profile", (B, T))
+            continue
+        tx = torch_inputs(make_inputs(B, T, AB_DTYPES[dtype]))
+        for rule, mode, key in keys[B, T]:
+            if rule == "gdn" and mode == "fwdbwd":
+                continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper
+            try:
+                out[key + " fla"] = torch_profile(fla_call(fla, rule, mode, tx))
+            except Exception as ex:  # noqa: BLE001
+                traceback.print_exc()
+                out[key + " fla"] = {"error": repr(ex)[:2000]}
+        del tx
+    for key in (key for shape_keys in keys.values() for _, _, key in shape_keys):
+        table = profile_table(results, key)
+        if table:
+            log(table)
 
 
 def profile_table(results, key) -> str:
@@ -937,6 +943,10 @@ def main(argv=None) -> dict:
     for m in ab_modes:
         if m not in AB_MODES:
             ap.error(f"--ab_modes: unknown mode {m!r} (one of {', '.join(AB_MODES)})")
+    if "ab" in parts and not ab_modes:
+        ap.error(f"--ab_modes: no mode given (one or more of {', '.join(AB_MODES)})")
+    if not (args.budget_s >= 0 and not math.isnan(args.budget_s)):
+        ap.error(f"--budget_s must be a number of seconds >= 0, got {args.budget_s}")
     if "ab" in parts and not knobs_b and not args.ab_ref:
         ap.error("--parts ab needs --ab knob=value[,knob=value] (the B side's changed launch knobs) or --ab_ref DIR")
     if not (args.ab_gate_scale > 0 and math.isfinite(args.ab_gate_scale)):

@@ -156,7 +156,10 @@ def test_attention_bench_names_shapes_in_its_error(tmp_path, capsys, shapes):
     (["--parts", "foo"], "--parts"),
     (["--parts", "bench", "--methods", "cudnn", "--shapes", "1,64", "--reps", "0"], "--reps"),
     (["--parts", "bench", "--methods", "cudnn", "--shapes", "1,64", "--reps", "-5"], "--reps"),
-    (["--parts", "bench", "--methods", "cudnn", "--shapes", "1,64", "--pallas_chunk", "0"], "--pallas_chunk")])
+    (["--parts", "bench", "--methods", "cudnn", "--shapes", "1,64", "--pallas_chunk", "0"], "--pallas_chunk"),
+    (["--parts", "ab", "--ab", "fuse_output=0", "--ab_modes", ","], "--ab_modes"),
+    (["--parts", "bench", "--methods", "cudnn", "--shapes", "1,64", "--budget_s", "-1"], "--budget_s"),
+    (["--parts", "bench", "--methods", "cudnn", "--shapes", "1,64", "--budget_s", "nan"], "--budget_s")])
 def test_kernel_bench_refuses_bad_options_before_creating_anything(tmp_path, capsys, argv, flag):
     line = _refused(capsys, kernel_bench.main, argv + ["--out", str(tmp_path / "o")], "kernel_bench")
     assert flag in line
@@ -187,6 +190,37 @@ def test_kernel_bench_help_names_the_script_and_its_defaults(capsys):
     assert out.startswith("usage: python -m experiments.kernel_bench")
     assert "files go to <out>/kernel_bench/ (default: results)" in out
     assert "pallas,xla,fla,cudnn" in out and "(default: 20)" in out
+
+
+def test_kernel_bench_profile_runs_all_of_ours_before_any_of_fla(tmp_path, capsys, monkeypatch):
+    """``--parts profile --methods pallas,fla`` at two shapes: every jax.profiler trace of ours comes before
+    torch's profiler first runs (after it, jax.profiler's tracer cannot subscribe to CUPTI), and each
+    (shape, rule, mode, method) gets its record. torch, fla and both profilers are stand-ins here."""
+    import sys
+    import types
+
+    from experiments import op_profile
+
+    calls = []
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(kernel_bench, "H", 2)
+    monkeypatch.setattr(kernel_bench, "D", 16)
+    monkeypatch.setattr(kernel_bench, "load_fla", lambda: {"delta": None})
+    monkeypatch.setattr(kernel_bench, "torch_inputs", lambda x: x)
+    monkeypatch.setattr(kernel_bench, "fla_call", lambda fla, rule, mode, tx: (rule, mode, tx["q"].shape[:2]))
+    monkeypatch.setattr(kernel_bench, "torch_profile",
+                        lambda run: calls.append(("fla", *run)) or {"busy_ms_per_call": 2.0, "top": []})
+    monkeypatch.setattr(kernel_bench, "rule_call", lambda fn, mode, x, rule: (lambda: x["q"].shape[:2], ()))
+    monkeypatch.setattr(op_profile, "profile", lambda fn, **kw: calls.append(("pallas", fn())) or
+                        {"busy_ms_per_call": 1.0, "source": "device streams", "top": []})
+    rec = kernel_bench.main(["--parts", "profile", "--methods", "pallas,fla", "--shapes", "1,64;1,32",
+                             "--rules", "delta", "--out", str(tmp_path)])
+    methods = [c[0] for c in calls]
+    assert methods == ["pallas"] * 4 + ["fla"] * 4, calls
+    assert set(rec["profile"]) == {f"({b}, {t}) delta {mode} {m}" for b, t in ((1, 64), (1, 32))
+                                   for mode in ("fwd", "fwdbwd") for m in ("pallas", "fla")}
+    assert (tmp_path / "kernel_bench" / "kernel_bench.png").is_file()
 
 
 # --------------------------------------------------------------------------------------------- kv_read
