@@ -324,6 +324,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         if cfg.num_v_heads not in (None, cfg.num_heads):
             raise HFError(f"ModelConfig.num_v_heads ({cfg.num_v_heads}): Kimi Linear's KDA has one value head per "
                           f"query/key head ({cfg.num_heads})")
+        for field, why in (("allow_neg_eigval", "Kimi Linear's β is σ(·) in (0, 1)"),
+                           ("kda_output_gate_bias", "Kimi Linear's low-rank output gate has no bias")):
+            if getattr(cfg, field):
+                raise HFError(f"ModelConfig.{field}=True has no Kimi Linear layout: {why}, and a checkpoint "
+                              "saved without it would load as another model")
         if cfg.mixer_norm_eps != out["rms_norm_eps"]:
             raise HFError(f"ModelConfig.mixer_norm_eps ({cfg.mixer_norm_eps}) must equal norm_eps: Kimi Linear "
                           "has one rms_norm_eps")

@@ -250,6 +250,19 @@ def test_config_to_hf_refuses_grouped_value_heads_for_kimi():
         hf.config_to_hf(cfg.replace(num_v_heads=2 * cfg.num_heads))
 
 
+@pytest.mark.parametrize("field", ["allow_neg_eigval", "kda_output_gate_bias"])
+def test_save_refuses_kda_variants_kimi_linear_cannot_hold(field, tmp_path):
+    """fla's variants (β in (0, 2), a bias on the output gate) would be dropped on the way out, and the
+    checkpoint would load as another model: refused, nothing written."""
+    cfg = _model("kimi_linear").cfg.replace(**{field: True})
+    with pytest.raises(hf.HFError, match=field):
+        hf.config_to_hf(cfg)
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(hf.HFError, match=field):
+        hf.save(model, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 # ---------------------------------------------------------------------------- command lines
 def test_generate_cli_samples_from_a_checkpoint(capsys):
     from lineage_jax import generate

@@ -18,8 +18,8 @@ grouped matmuls, combine — run inside ``shard_map``, reading the ``MoE`` modul
    grouped matmul); on GPU/CPU, where XLA expands ``ragged_dot`` into a dense
    ``[E_loc, ep·C, H]`` dot (one of two causes of a 197 GiB buffer on one H200 for 64 experts,
    32K tokens, top-4; 120 GB in the CPU memory analysis of one ``[131072, 1024] x [64, 1024, 1024]``
-   grad), ``"auto"`` switches to the pure-JAX tiled grouped matmul once that expansion
-   exceeds 256 MiB. The ``expert_mlp`` hidden dimension may be split over ``tensor``:
+   grad), ``"auto"`` switches once that expansion exceeds 256 MiB: to the Pallas grouped-matmul
+   kernels on GPUs, the pure-JAX tiled grouped matmul on CPUs (``layers.grouped``). The ``expert_mlp`` hidden dimension may be split over ``tensor``:
    partial sums are ``psum``-ed after the combine;
 4. **combine**: the outputs travel back the same way and are weighted and summed per token.
 

@@ -37,8 +37,9 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     p.add_argument("--workdir", required=True,
                    help="the run's directory: config.json, checkpoints/, metrics.jsonl, tb/ (created if absent; "
                         "an existing one is resumed)")
-    p.add_argument("--data", default=None, help="'stdlib' (default), a directory of text files, or a task "
-                                                "(mqar, niah, overwrite, fade, mixed_half_lives)")
+    p.add_argument("--data", default=None, help="'stdlib' (default), a directory of text files, .array_record "
+                                                "files (comma-separated), or a task (mqar, niah, overwrite, fade, "
+                                                "mixed_half_lives)")
     p.add_argument("--mesh", default=None,
                    help="device mesh over all devices of all processes, e.g. data=2,fsdp=1,tensor=1,expert=4 "
                         "(axes left out are 1; one axis may be -1 = the rest); --set batch_size is the global batch")
