@@ -140,17 +140,15 @@ def run(quick=False, out="results", shapes=None, impls=",".join(IMPLS), layouts=
                        "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
             record["results"].append(res)
             bar.update(1)
-    for impl in impl_list:
-        if impl in record["skipped"]:
-            continue
-        for lay in layout_list:
-            for seg_on in (False, True):
-                try:
-                    record["checks"].append({"impl": impl, "layout": lay, "segments": seg_on,
-                                             **check(impl, lay, seg_on)})
-                except Exception as e:
-                    record["checks"].append({"impl": impl, "layout": lay, "segments": seg_on,
-                                             "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    checks = [(impl, lay, seg_on) for impl in impl_list if impl not in record["skipped"]
+              for lay in layout_list for seg_on in (False, True)]
+    for impl, lay, seg_on in C.progress(checks, desc=f"{NAME} checks", unit="check"):  # each compiles: seconds
+        try:
+            record["checks"].append({"impl": impl, "layout": lay, "segments": seg_on,
+                                     **check(impl, lay, seg_on)})
+        except Exception as e:
+            record["checks"].append({"impl": impl, "layout": lay, "segments": seg_on,
+                                     "error": f"{type(e).__name__}: {str(e)[:300]}"})
     return C.finish(record, NAME, out, plot(record))
 
 
@@ -159,9 +157,10 @@ def plot(record):
 
     ok = [r for r in record["results"] if "fwd_bwd_ms" in r]
     labels = sorted({(r["batch"], r["seq_len"], r["layout"], r["segments"]) for r in ok})
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels) * len(record["impls"])), 4))
-    width = 0.8 / max(1, len(record["impls"]))
-    for i, impl in enumerate(record["impls"]):
+    impls = [i for i in record["impls"] if any(r["impl"] == i for r in ok)]  # a skipped impl draws no bars
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels) * len(impls)), 4))
+    width = 0.8 / max(1, len(impls))
+    for i, impl in enumerate(impls):
         ys = []
         for lab in labels:
             hit = [r for r in ok if r["impl"] == impl and (r["batch"], r["seq_len"], r["layout"], r["segments"]) == lab]
