@@ -60,9 +60,10 @@ architectures of a pair ran — for this script's 4-layer, dense, fp32-weight mo
 capped at 4, 5 timed steps (CPU, ~1 min). Full: contexts 1K, 4K, 16K, 64K, 256K, 1M, fill
 batch capped at 256, 20 timed steps — about 2–3 minutes on one H200 (≈ 40 small compiles;
 the 1M MHA cache alone is 34 GB per sequence; if it and the decode's workspace do not fit,
-the row says so. Softmax attention has read a bf16 cache without an explicit float32 copy
-since commit ``7390c97``, yet on the CPU the compiled MHA step's workspace is still ~3× the
-cache — XLA:CPU runs bf16 dots in float32; the GPU's workspace has not been measured yet).
+the row says so). The "workspace/cache" column is the compiled step's temporaries against the
+cache: softmax attention reads a bf16 cache without a float32 copy of it (``memory.cache_read``),
+and in ``--quick`` on 2 CPU cores MHA's step takes 0.7–1.4× its cache in temporaries (XLA:CPU
+computes bf16 dots in float32).
 """
 
 from __future__ import annotations

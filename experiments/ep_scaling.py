@@ -14,13 +14,11 @@ kv-LoRA ``d/2``, dense FFN ``2d``; heads of 128 (of 16 below ``d=512``)), with
 of the ``KKKM`` pattern. Default: ``d_model 2048``, 8 layers (7 MoE), 64 experts: about
 1.6B parameters, 1.4B of them routed experts (the printed header gives the exact count);
 float32 parameters + AdamW = 16 bytes/parameter ≈ 26 GB; global batch 8 × 1024 tokens (one
-sequence per device on 8 GPUs). The batch was 32 until a 1-H200 run (2026-11-29) failed
-asking for a 197 GiB temporary buffer: XLA expanded the experts' ``ragged_dot`` densely
-(fixed since: ``lineage_jax.layers.grouped``), and the XLA chunked KDA's per-channel
-sub-block scores (``[B, H, N, 4, 16, 16, 128]`` float32, 8.6 GB each at batch 32) remain
-large — XLA:CPU's memory analysis of the 1-device step: 280 GB of temporaries at batch 32,
-80 GB at batch 8 (+ 20 GB of arguments), so the baseline should fit one H200 again (not yet
-run on a GPU). Vocabulary 256
+sequence per device on 8 GPUs). The batch is sized for the one-device baseline: the XLA
+chunked KDA's per-channel sub-block scores (``[B, H, N, 4, 16, 16, 128]`` float32, 8.6 GB each
+at batch 32) dominate its temporaries — XLA:CPU's memory analysis of the 1-device step gives
+80 GB at batch 8 (+ 20 GB of arguments) against 280 GB at batch 32; the experts' grouped
+matmuls never expand densely (``lineage_jax.layers.grouped``). Vocabulary 256
 (bytes of the Python standard library's sources, ``lineage_jax.data``).
 
 **Runs**: for each device count ``n`` of ``--gpus`` (default 1, 2, 4, 8 capped at
