@@ -81,6 +81,7 @@ import dataclasses
 import gc
 import math
 import os
+import sys
 import time
 from typing import Optional, Sequence
 
@@ -455,6 +456,9 @@ def run(quick: bool = False, out: str = "results", gpus: Optional[Sequence[int]]
         raise ValueError(f"--budget-s: must be > 0, got {budget_s}")
     if gpus is None:
         gpus = [n for n in (1, 2, 4, 8) if n <= jax.device_count()]
+    if jax.device_count() == 1:
+        print(f"{NAME}: one device visible, so only the one-device baseline runs; on a CPU, "
+              "XLA_FLAGS=--xla_force_host_platform_device_count=4 gives the script 4 devices", file=sys.stderr)
     runs = planned_runs(list(gpus), list(layouts or LAYOUTS), b)
     act = resolve_dtype(b)
     try:

@@ -115,6 +115,13 @@ def test_bad_arguments_name_the_flag(tmp_path, kwargs, needle):
         EPS.run(quick=True, out=str(tmp_path), **kwargs)
 
 
+def test_one_device_says_how_to_get_more(tmp_path, capsys):
+    """On one device only the baseline can run: the script says so and how to fake 4 CPU devices."""
+    with pytest.raises(ValueError, match="--layouts"):  # stops right after the note, before any work
+        EPS.run(quick=True, out=str(tmp_path), layouts=["tp"])
+    assert "xla_force_host_platform_device_count=4" in capsys.readouterr().err
+
+
 def test_divisibility_errors(monkeypatch):
     """Checked before any work, as if 4 devices were present."""
     import jax
