@@ -21,11 +21,10 @@ must read (each cached byte once: MLA's latent is read twice, for scores and val
 GB/s understate the traffic), the read rate in GB/s, the compiled step's temporaries (XLA memory analysis) against
 the cache, and the first step's largest difference from the family's ``dot`` row.
 
-Measured (2026-11-30, H200, jax 0.11.2, defaults, commit 9e53759; record
-``docs/results/kv_read_h200.json``, which calls the ``dot`` form ``library``), dot / heads_major /
-reduce: 19.35 / 12.23 / 2.40 ms, i.e. 444 / 702 / 3576 GB/s; the einsum forms
-held a temporary as large as the cache (XLA:GPU copied K and V every step), the reduce form
-0.01x; MLA's read: mla_dot 0.94 ms (1292 GB/s), mla_reduce 9.1 ms (132 GB/s). That is why
+Measured (one H200, 2026-11-30, jax 0.11.2, defaults; record ``docs/results/kv_read_h200.json``,
+docs/results.md), dot / heads_major / reduce: 19.21 / 12.20 / 2.36 ms, i.e. 447 / 704 / 3634 GB/s;
+the einsum forms held a temporary as large as the cache (XLA:GPU copied K and V every step), the
+reduce form 0.01x; MLA's read: mla_dot 0.94 ms (1292 GB/s), mla_reduce 9.12 ms (132 GB/s). That is why
 ``read="auto"`` means ``"reduce"`` on GPUs only when each cached element meets one query
 (``memory.resolve_read``); ``--kv-heads`` measures the grouped-query reads in between. On a 2-core CPU
 (``--context 65536 --heads 4 --head-dim 64 --steps 5``): float32 dot 51 ms, heads_major 116,
