@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,15 +53,13 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from lineage_jax.layers.ffn import glu
+from lineage_jax.layers.grouped_layout import RESIDUALS, _Layout, _layout, _out_dtype, _rows
+from lineage_jax.layers.grouped_pallas import gmm
 from lineage_jax.memory._validate import is_concrete
 
 Array = jax.Array
 
 GROUPED_MATMUL_IMPLS = ("auto", "ragged_dot", "tiled", "pallas")
-
-# checkpoint_name of the experts' grouped-matmul outputs (grouped_glu_mlp): the "dots" remat
-# policy of lineage_jax.models.decoder keeps them, so the backward pass reruns no expert matmul.
-RESIDUALS = "grouped_matmul_outputs"
 
 # "auto" keeps jax.lax.ragged_dot while its dense [G, M, N] expansion on GPU/CPU stays at
 # most this many bytes: small models then run exactly as before (one fused dot, no scan),
@@ -100,12 +97,6 @@ def _check(x, w, group_sizes, impl, tile) -> None:
         raise ValueError(f"grouped_matmul: `group_sizes` must be >= 0, got {group_sizes.tolist()}")
 
 
-def _out_dtype(x, w, group_sizes):
-    """The dtype ``jax.lax.ragged_dot`` gives for these inputs (abstract evaluation only)."""
-    spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
-    return jax.eval_shape(lax.ragged_dot, spec(x), spec(w), spec(group_sizes)).dtype
-
-
 def resolve_impl(impl: str, m: int, n: int, g: int, out_dtype) -> str:
     """The implementation ``impl`` means for an ``[M, K] x [G, K, N]`` grouped matmul."""
     if impl != "auto":
@@ -116,53 +107,6 @@ def resolve_impl(impl: str, m: int, n: int, g: int, out_dtype) -> str:
     if dense_bytes <= DENSE_EXPANSION_LIMIT_BYTES:
         return "ragged_dot"
     return "pallas" if jax.default_backend() == "gpu" else "tiled"
-
-
-class _Layout(NamedTuple):
-    """Where the rows go in the tiled path (all int32, built from ``group_sizes``).
-
-    ``src [n_blocks, block*tile]``: the row of ``x`` in each padded slot (``M``: an empty
-    slot, reads zero); ``tile_group [n_blocks, block]``: each tile's group;
-    ``pos [M]``: each row's padded slot (``n_blocks*block*tile``: past ``sum(group_sizes)``,
-    reads zero).
-    """
-
-    src: Array
-    tile_group: Array
-    pos: Array
-
-
-def _layout(group_sizes: Array, m: int, g: int, tile: int, block: int, n_blocks: int) -> _Layout:
-    gs = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(gs)
-    starts = ends - gs
-    padded = (gs + tile - 1) // tile * tile                    # each group rounded up to whole tiles
-    pends = jnp.cumsum(padded)
-    pstarts = pends - padded
-    rows = n_blocks * block * tile
-
-    # Padded slot q belongs to group qg at offset `off`: a real row iff off < its size and
-    # the row exists (row index < M; sum(group_sizes) may exceed M, as in ragged_dot).
-    q = jnp.arange(rows, dtype=jnp.int32)
-    qg = jnp.minimum(jnp.searchsorted(pends, q, side="right"), g - 1)
-    off = q - pstarts[qg]
-    src = starts[qg] + off
-    src = jnp.where((off < gs[qg]) & (src < m), src, m)
-
-    # Tiles past the last group get group g-1; their slots are all empty.
-    first = jnp.arange(n_blocks * block, dtype=jnp.int32) * tile
-    tile_group = jnp.minimum(jnp.searchsorted(pends, first, side="right"), g - 1)
-
-    r = jnp.arange(m, dtype=jnp.int32)
-    rg = jnp.searchsorted(ends, r, side="right")                # == g for rows past sum(group_sizes)
-    rgc = jnp.minimum(rg, g - 1)
-    pos = jnp.where(rg < g, pstarts[rgc] + r - starts[rgc], rows)
-    return _Layout(src.reshape(n_blocks, block * tile), tile_group.reshape(n_blocks, block), pos)
-
-
-def _rows(a: Array, idx: Array) -> Array:
-    """``a[idx]`` along axis 0, zero where ``idx`` is out of range."""
-    return jnp.take(a, idx, axis=0, mode="fill", fill_value=0)
 
 
 def _tiled_sizes(m: int, k: int, n: int, g: int, tile: int) -> tuple[int, int]:
@@ -272,8 +216,6 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, impl: str = "auto"
     if x.shape[0] == 0 or w.shape[0] == 0:                       # no rows or no groups: all zero
         return jnp.zeros((x.shape[0], w.shape[2]), out_dtype)
     if impl == "pallas":
-        from lineage_jax.layers.grouped_pallas import gmm  # imports this module
-
         return gmm(*_common_variance(x, w, group_sizes), tile=int(tile), out_dtype=out_dtype)
     return _tiled(*_common_variance(x, w, group_sizes), int(tile), out_dtype)
 

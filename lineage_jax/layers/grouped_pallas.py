@@ -3,7 +3,7 @@
 
 Same semantics as ``jax.lax.ragged_dot`` (``x [M, K]`` in contiguous row groups, group
 ``g`` times ``w[g] [K, N]``, rows at index ``>= sum(group_sizes)`` give zero), and the
-same padded layout as the ``"tiled"`` path (:func:`~lineage_jax.layers.grouped._layout`):
+same padded layout as the ``"tiled"`` path (:func:`~lineage_jax.layers.grouped_layout._layout`):
 every group is padded to whole ``tile``-row tiles, rows are gathered into that layout
 before the kernels and back out of it after.
 
@@ -56,10 +56,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from lineage_jax.layers.ffn import glu
-from lineage_jax.layers.grouped import RESIDUALS, _layout, _out_dtype, _rows, checkpoint_name
+from lineage_jax.layers.grouped_layout import RESIDUALS, _layout, _out_dtype, _rows
 from lineage_jax.memory._validate import require_bool
 
 try:  # present in jax 0.10 and 0.11
@@ -554,7 +555,7 @@ def routed_experts(z: Array, expert_idx: Array, weights: Array, w_gate: Array, w
     three grouped matmuls run slot to slot (hidden width padded by zero weight columns, which
     the gated activation keeps zero); the combine gathers each token's ``k`` outputs. Every
     gradient is a gather (no scatter-add). The matmul outputs are named
-    :data:`~lineage_jax.layers.grouped.RESIDUALS` (kept by the ``"dots"`` remat policy).
+    :data:`~lineage_jax.layers.grouped_layout.RESIDUALS` (kept by the ``"dots"`` remat policy).
 
     Args:
       z: ``[N, W]`` token rows.  expert_idx: ``[N, k]`` int, distinct experts per token.
