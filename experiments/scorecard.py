@@ -248,7 +248,7 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, steps: Optiona
                 by_kind[p][kind] = float(hits[best].sum() / max(float(scored.sum()), 1.0))
         model = sweep.model(best)
         rows.append({
-            "architecture": label, "pattern": pattern,
+            "architecture": label, "pattern": pattern, "trained_pattern": cfg.pattern,
             "params": accounting.param_counts(cfg)["total"],
             "memory_per_layer_1k": memory_per_layer(pattern, 1 << 10),
             "memory_per_layer_1m": memory_per_layer(pattern, 1 << 20),
@@ -283,7 +283,8 @@ def decode_column(archs: list, b: Budget, seed: int, record: dict, out: str) -> 
     for label, pattern, extra in C.progress(archs, desc="decode", unit="arch"):
         cfg = model_config(label, pattern, extra, b)
         model = Decoder(cfg, rngs=nnx.Rngs(seed))
-        rows.append({"architecture": label, "pattern": pattern, "params": accounting.param_counts(cfg)["total"],
+        rows.append({"architecture": label, "pattern": pattern, "trained_pattern": cfg.pattern,
+                     "params": accounting.param_counts(cfg)["total"],
                      "decode_ms_per_token": T.decode_ms_per_token(model, b.vocab, b.decode_context, b.decode_tokens,
                                                                   seed=seed)})
         result = C.finish(dict(record, decode_only=True, rows=rows, complete=len(rows) == len(archs)),

@@ -48,6 +48,9 @@ def _card_from_the_cli(tmp_path):
             # the kinds partition the scored positions: the probe's accuracy is a mix of theirs
             assert min(split.values()) - 1e-6 <= r["accuracy"][p] <= max(split.values()) + 1e-6
     gpt, kda = rec["rows"]
+    # the memory columns are the architecture's reference stack; the quick models train its last 2 layers
+    assert (gpt["pattern"], gpt["trained_pattern"]) == ("SSSS", "SS")
+    assert (kda["pattern"], kda["trained_pattern"]) == ("KKKK", "KK")
     assert gpt["memory_per_layer_1m"] > 500 * gpt["memory_per_layer_1k"]  # the cache grows with context
     assert kda["memory_per_layer_1m"] == kda["memory_per_layer_1k"]  # the state does not
     return rec
