@@ -181,6 +181,22 @@ def check_forward_alone(rule, x, seg, tol, **knobs):
     assert rel_err(o1, o0) <= tol and rel_err(s1, s0) <= tol, (rel_err(o1, o0), rel_err(s1, s0))
 
 
+@pytest.mark.parametrize("rule", ["delta", "gdn", "kda"])
+def test_reference_matches_the_float64_token_loop(rule):
+    """The kernels' reference itself (``kref.recurrent``) against the float64 NumPy loop of
+    ``tests.memory.naive`` (no code shared): output and final state, with resets and an initial state.
+    Its gradients are ``jax.grad`` of this scan."""
+    from tests.memory import naive
+    x = make_inputs(30)
+    g = {"delta": None, "gdn": x["gs"], "kda": x["g"]}[rule]
+    o, S = jax.jit(kref.recurrent)(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "beta")),
+                                    None if g is None else jnp.asarray(g), initial_state=jnp.asarray(x["S0"]),
+                                    segment_ids=jnp.asarray(x["seg"]))
+    o_ref, S_ref = naive.delta_family(x["q"], x["k"], x["v"], beta=x["beta"], g=g, initial_state=x["S0"],
+                                      segment_ids=x["seg"])
+    assert rel_err(o, o_ref) <= 1e-5 and rel_err(S, S_ref) <= 1e-5, (rel_err(o, o_ref), rel_err(S, S_ref))
+
+
 # Without segment ids the kernels drop their document operand (``Cfg.docs``), the same switch for
 # every gate: the default suite checks that path with KDA's per-channel gate, the other rules with -m slow.
 FP32_CASES = [pytest.param(rule, True, id=f"resets-{rule}") for rule in RULES] + [

@@ -93,7 +93,7 @@ def test_cudnn_takes_any_sequence_length(causal, T):
     document of its own that no real query sees (also without a causal mask)."""
     (q, k, v, do), seg = _inputs(T, 2, T, 4, 2, 64, 64, jnp.bfloat16, T > 1)
     f = lambda q, k, v: M.softmax_attention(q, k, v, causal=causal, segment_ids=seg, impl="cudnn")
-    ref = lambda q, k, v: M.reference_attention(q, k, v, causal=causal, segment_ids=seg)
+    ref = lambda q, k, v: _jnp_attention(q, k, v, causal, seg)
     up = lambda a: a.astype(jnp.float32)
     assert _rel(f(q, k, v), ref(up(q), up(k), up(v))) < 1.5e-2
     for g, w in zip(_grads(f, q, k, v, do), _grads(ref, up(q), up(k), up(v), up(do))):
@@ -116,14 +116,20 @@ def test_blockwise_keeps_no_full_score_matrix():
 
 
 def test_fully_masked_rows_read_zero_not_nan():
-    q = jnp.ones((1, 4, 1, 8))
-    k = jnp.ones((1, 6, 1, 8))
-    # non-causal, no segments: every row sees every key; then a row seeing nothing via documents
-    seg = jnp.array([[0, 0, 1, 1]])
-    o = fused.blockwise_attention(q, q, q, scale=1.0, causal=True, doc_q=seg, doc_k=jnp.array([[0, 0, 2, 2]]))
+    r = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(r.normal(size=s), jnp.float32) for s in ((1, 4, 1, 8), (1, 6, 1, 8), (1, 6, 1, 8)))
+    # Queries 2, 3 are in document 1, which no key belongs to: they see nothing and read zeros.
+    o = fused.blockwise_attention(q, k[:, :4], v[:, :4], scale=1.0, causal=True, doc_q=jnp.array([[0, 0, 1, 1]]),
+                                  doc_k=jnp.array([[0, 0, 2, 2]]))
     assert np.all(np.isfinite(np.asarray(o)))
     assert np.all(np.asarray(o)[:, 2:] == 0)
-    assert M.softmax_attention(q, k, k, causal=False, impl="xla").shape == (1, 4, 1, 8)
+    # Queries 0, 1 see the causal keys of document 0 only.
+    want = naive.softmax_attention(q[:, :2], k[:, :2], v[:, :2], scale=1.0)
+    np.testing.assert_allclose(np.asarray(o)[:, :2], want, rtol=1e-5, atol=1e-6)
+    # Non-causal, no segments, more keys than queries: every query sees all six keys.
+    o = M.softmax_attention(q, k, v, causal=False, impl="xla")
+    assert o.shape == (1, 4, 1, 8)
+    np.testing.assert_allclose(o, naive.softmax_attention(q, k, v, causal=False), rtol=1e-5, atol=1e-6)
 
 
 def test_unknown_impl_names_the_argument():

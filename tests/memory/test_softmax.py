@@ -28,6 +28,9 @@ def test_matches_float64_reference(Hk, causal):
         o = attention(q, k, v, causal=causal, segment_ids=segment_ids)
         want = naive.softmax_attention(q, k, v, causal=causal, segment_ids=segment_ids)
         np.testing.assert_allclose(o, want, rtol=2e-5, atol=2e-6)
+        # The unfused form too (its whole score matrix at once).
+        ref = M.reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+        np.testing.assert_allclose(ref, want, rtol=2e-5, atol=2e-6)
 
 
 def test_segments_equal_separate_runs():
@@ -93,11 +96,27 @@ def test_decode_reads_agree_and_match_the_full_sequence(Hk, dtype):
         o, c = M.softmax_attention_step(q_t, k_t, v_t, M.KVCache(ck, cv, cache.length), read=read)
         return jnp.sum(o.astype(jnp.float32) * w) + jnp.sum(c.k.astype(jnp.float32) ** 2)
 
+    def ref_loss(q_t, k_t, v_t, ck, cv):
+        """The step written out here in float32: the token stored at slot ``length``, whole-row softmax
+        over the slots up to it (grouped heads), the same functional as ``loss``."""
+        ck = ck.astype(jnp.float32).at[rows, cache.length].set(k_t.astype(dtype).astype(jnp.float32))
+        cv = cv.astype(jnp.float32).at[rows, cache.length].set(v_t.astype(dtype).astype(jnp.float32))
+        group = q_t.shape[1] // Hk
+        s = jnp.einsum("bhk,blhk->bhl", q_t, jnp.repeat(ck, group, axis=2)) * q_t.shape[-1] ** -0.5
+        seen = np.arange(ck.shape[1])[None, None, :] <= np.asarray(cache.length)[:, None, None]
+        o = jnp.einsum("bhl,blhv->bhv", jax.nn.softmax(jnp.where(seen, s, -jnp.inf), -1), jnp.repeat(cv, group, 2))
+        return jnp.sum(o * w) + jnp.sum(ck ** 2)
+
     grads = {r: jax.jit(jax.grad(lambda *a, r=r: loss(r, *a), argnums=tuple(range(5))))(*args, cache.k, cache.v)
              for r in ("dot", "reduce")}
-    for name, gd, gr in zip(("q_t", "k_t", "v_t", "cache.k", "cache.v"), grads["dot"], grads["reduce"]):
+    want = jax.jit(jax.grad(ref_loss, argnums=tuple(range(5))))(*args, cache.k, cache.v)
+    for name, gd, gr, gw in zip(("q_t", "k_t", "v_t", "cache.k", "cache.v"), grads["dot"], grads["reduce"], want):
         assert np.all(np.isfinite(np.asarray(gr, np.float32))), name
         np.testing.assert_allclose(np.asarray(gr, np.float32), np.asarray(gd, np.float32), **tol, err_msg=name)
+        # Both reads against the written-out step (bf16: the cotangents are rounded to bf16).
+        for r, g in (("dot", gd), ("reduce", gr)):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(gw, np.float32), **tol,
+                                       err_msg=f"{r} {name}")
 
 
 @pytest.mark.parametrize("spec,xs,cs", [
