@@ -274,7 +274,7 @@ def test_generate_cli_samples_from_a_checkpoint(capsys):
     assert [int(t) for t in out[-3:]] == ref["greedy_forward"][0, 12:15].tolist()
 
 
-def test_train_cli_init_from_hf(tmp_path):
+def test_train_cli_init_from_hf(tmp_path, capsys):
     from lineage_jax.train.__main__ import parse
     from lineage_jax.train.loop import _init_from_hf
     from lineage_jax.train.step import init_state
@@ -289,7 +289,9 @@ def test_train_cli_init_from_hf(tmp_path):
     got = {("params",) + tuple(p): np.asarray(v.get_value()) for p, v in state.params.flat_state()}
     for k, v in got.items():
         np.testing.assert_array_equal(v, want[k[1:]])
-    with pytest.raises(SystemExit):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
         parse(["--init-from-hf", d, "--config", "tiny_gpt2", "--steps", "1", "--workdir", str(tmp_path / "x")])
+    assert e.value.code == 2 and "--config and --init-from-hf exclude each other" in capsys.readouterr().err
     with pytest.raises(ValueError, match="do not fit"):
         _init_from_hf(state, os.path.join(FIXTURES, "gpt2"), model_cfg, None)

@@ -48,7 +48,11 @@ def test_sampling_filters():
     draws = {int(G.sample_token(logits, jax.random.key(i), top_k=2)[0]) for i in range(64)}
     assert draws <= {0, 1} and len(draws) == 2
     draws = {int(G.sample_token(logits, jax.random.key(i), top_p=0.7)[0]) for i in range(64)}
-    assert draws <= {0, 1}  # 0.5 + 0.3 reaches 0.7: the nucleus is the two most likely tokens
+    assert draws == {0, 1}  # 0.5 + 0.3 reaches 0.7: the nucleus is the two most likely tokens
+    draws = {int(G.sample_token(logits, jax.random.key(i), top_p=0.4)[0]) for i in range(64)}
+    assert draws == {0}  # 0.5 alone reaches 0.4
+    draws = {int(G.sample_token(logits, jax.random.key(i))[0]) for i in range(64)}
+    assert draws == {0, 1, 2, 3}  # no filter: every token can be drawn
 
 
 @pytest.mark.parametrize("argv, msg", [

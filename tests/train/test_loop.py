@@ -5,6 +5,7 @@ import os
 import signal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -84,14 +85,22 @@ def test_loss_decreases_and_metrics_logged(tmp_path):
 def test_checkpoint_round_trip(tmp_path):
     tc = TrainConfig(config="tiny_k3", steps=1)
     mc = get_config("tiny_k3")
-    _, state, _ = init_state(mc, tc)
+    _, template, _ = init_state(mc, tc)
+    # The saved state differs from the restore target in every leaf (random floats, shifted integers):
+    # a restore that handed back its target, or left any leaf as it was, fails below.
+    keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(template))))
+    state = jax.tree.map(lambda a: a + (jax.random.normal(next(keys), a.shape, a.dtype)
+                                        if jnp.issubdtype(a.dtype, jnp.floating) else jnp.ones_like(a)), template)
     ck = Checkpointer(str(tmp_path / "c"))
     ck.save(7, state, {"pos": 11}, force=True)
     ck.wait()
-    restored, data_state = ck.restore(state)
+    assert ck.latest_step() == 7
+    restored, data_state = ck.restore(template)
     assert data_state == {"pos": 11}
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
-        np.testing.assert_array_equal(a, b)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for a, b, t in zip(jax.tree.leaves(state), jax.tree.leaves(restored), jax.tree.leaves(template)):
+        np.testing.assert_array_equal(b, a)
+        assert b.dtype == a.dtype and not np.array_equal(b, t)
     ck.close()
 
 
