@@ -118,7 +118,7 @@ def test_mla_yarn_and_softmax_scale_prefill_decode_grad():
     layer = MLA(D, num_heads=2, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
                 v_head_dim=5, use_rope=True, yarn=YaRN(4.0, 8, attention_factor=1.2), softmax_scale=0.5,
                 rngs=nnx.Rngs(0))
-    y = _consistent(layer, grads=False)  # (MLA's gradients: tests/layers/test_mla.py; with YaRN: the slow test below)
+    y = _consistent(layer)
     plain = MLA(D, num_heads=2, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
                 v_head_dim=5, use_rope=True, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 9, D))
