@@ -688,16 +688,24 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
         for rule in rules:
             for mode in modes:
                 fs = []
-                for tun, kd in ((tun_a, ref), (tun_b, None)):
-                    f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size, tuning=tun, kd=kd), mode, x,
-                                        rule)
-                    jax.block_until_ready(f(*args))  # compile
-                    fs.append(f)
                 ta, tb = [], []
-                for i in range(AB_ROUNDS):
-                    order = (0, 1) if i % 2 == 0 else (1, 0)
-                    for j in order:
-                        (ta if j == 0 else tb).append(time_jax(fs[j], *args, reps=reps, rounds=1))
+                try:
+                    for tun, kd in ((tun_a, ref), (tun_b, None)):
+                        f, args = rule_call(rule_fn(rule, "pallas", chunk_size=chunk_size, tuning=tun, kd=kd), mode,
+                                            x, rule)
+                        jax.block_until_ready(f(*args))  # compile
+                        fs.append(f)
+                    for i in range(AB_ROUNDS):
+                        order = (0, 1) if i % 2 == 0 else (1, 0)
+                        for j in order:
+                            (ta if j == 0 else tb).append(time_jax(fs[j], *args, reps=reps, rounds=1))
+                except Exception as ex:  # noqa: BLE001  (one failing pair: recorded, the others still run)
+                    traceback.print_exc()
+                    side = "B" if len(fs) == 1 else "A" if not fs else "timing"
+                    rows.append(dict(B=B, T=T, rule=rule, mode=mode, a=tun_a, b=tun_b, a_ref=ref is not None,
+                                     gate_scale=gate_scale, dtype=dtype, error=f"{side}: {ex!r}"[:2000]))
+                    log("FAIL ab", B, T, rule, mode, dtype, side, repr(ex)[:300])
+                    continue
                 ratios = [b / a for a, b in zip(ta, tb)]
                 row = dict(B=B, T=T, rule=rule, mode=mode, a=tun_a, b=tun_b, a_ms=ta, b_ms=tb, a_ref=ref is not None,
                            gate_scale=gate_scale, dtype=dtype,
@@ -711,6 +719,9 @@ def part_ab(results, shapes, reps, knobs_b, rules=RULES, chunk_size=None, over=l
 def ab_table(results) -> str:
     lines = ["| (B, T) | rule | mode | A ms | B ms | B / A (median of rounds) | range |", "|---|---|---|---|---|---|---|"]
     for r in results.get("ab", []):
+        if "error" in r:
+            lines.append(f"| ({r['B']}, {r['T']}) | {r['rule']} | {r['mode']} | failed: {r['error'][:120]} | | | |")
+            continue
         lines.append(f"| ({r['B']}, {r['T']}) | {r['rule']} | {r['mode']} | {r['a_median']:.2f} | "
                      f"{r['b_median']:.2f} | {r['b_over_a']:.3f} | {r['b_over_a_range'][0]:.3f}–"
                      f"{r['b_over_a_range'][1]:.3f} |")
@@ -756,7 +767,7 @@ def plot(results):
     import matplotlib.pyplot as plt
 
     bench = [r for r in results.get("bench", []) if r["ms"]]
-    ab = results.get("ab", [])
+    ab = [r for r in results.get("ab", []) if "error" not in r]
     prof = {k: r for k, r in results.get("profile", {}).items() if "busy_ms_per_call" in r}
     stages = {f"{key} {name}": r for key, part in results.items() if key.startswith("stages") and isinstance(part, dict)
               for name, r in part.items() if "error" not in r}

@@ -118,6 +118,20 @@ def test_ab_times_both_sides_in_alternating_rounds(tiny, monkeypatch):
     assert [r["dtype"] for r in res["ab"]] == ["f32"] and set(seen) == {kb.jnp.dtype("float32")}
 
 
+def test_ab_records_a_failing_pair_and_times_the_rest(tiny, monkeypatch):
+    """A launch that fails on one side (here B's chunk size, which the kernels refuse) leaves a row naming the
+    side and the error; the next pair is still timed, and the table and the figure take both rows."""
+    monkeypatch.setattr(kb, "AB_ROUNDS", 2)
+    res = {"parts": ["ab"], "ab_knobs": {"chunk_size": 24}}
+    kb.part_ab(res, [(1, 64)], 1, {"chunk_size": 24}, rules=("delta",), chunk_size=32, modes=("fwd",))
+    kb.part_ab(res, [(1, 64)], 1, {"inverse": "loop"}, rules=("delta",), chunk_size=32, modes=("fwd",))
+    failed, timed = res["ab"]
+    assert failed["error"].startswith("B: ") and "chunk_size" in failed["error"] and "b_over_a" not in failed
+    assert timed["b_over_a"] > 0 and "error" not in timed
+    assert "failed: B: " in kb.ab_table(res) and kb.ab_table(res).count("| (1, 64) | delta | fwd |") == 2
+    kb.plot(res)
+
+
 def test_ab_ref_runs_another_checkouts_kernels_as_a(tiny, monkeypatch, tmp_path, capsys):
     """``--ab_ref DIR``: A runs the kernel package copied to DIR (imported beside this tree's), B this
     tree's; a missing package is an error naming the flag."""
