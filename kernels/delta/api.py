@@ -1411,7 +1411,8 @@ _DOC = """
       chunk (C >= 32); ``"auto"``: :func:`default_intra`.
       ``state_dot`` (``STATE_DOTS``; default ``"elementwise"``): with scalar gates and 16-bit states, the
       gate gradient's ``Σ S ⊙ dS`` in the backward's scores kernel as elementwise products or as the
-      trace of 64-row block products on tensor cores (``"tensor"``); other calls are unaffected.
+      trace of 64-row block products on tensor cores (``"tensor"``: fewer instructions, 1-2% slower on an
+      H200, docs/kernels.md); other calls are unaffected.
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """

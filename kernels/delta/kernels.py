@@ -61,7 +61,8 @@ WHOLE_SPAN = 80.0
 # state_dot="tensor": the row blocks of Σ S ⊙ dS on tensor cores (_state_dot). GDN's bf16 scores kernel at
 # K = V = 128 compiles to 2592 SASS instructions per thread and 72 B of spill stores, against 3016 and 20 B
 # with the elementwise products (2400 without the state dot at all); 16-row blocks spilled 28 KB, 128-row
-# ones 124 B (ptxas, sm_90a, triton 3.6).
+# ones 124 B (ptxas, sm_90a, triton 3.6). On an H200 it is still 1.2-2.0% slower in fwd+bwd, and 128-row
+# blocks slower again: the sum costs its second read of both states, not its arithmetic (docs/kernels.md).
 STATE_DOT_ROWS = 64
 
 
