@@ -1412,7 +1412,8 @@ _DOC = """
       ``state_dot`` (``STATE_DOTS``; default ``"elementwise"``): with scalar gates and 16-bit states, the
       gate gradient's ``Σ S ⊙ dS`` in the backward's scores kernel as elementwise products or as the
       trace of 64-row block products on tensor cores (``"tensor"``: fewer instructions, 1-2% slower on an
-      H200, docs/kernels.md); other calls are unaffected.
+      H200, docs/kernels.md), or (``"fused"``, the whole-chunk scores kernel) from the ``dS`` that kernel
+      loads for its ``Ũ dSᵀ`` product, reading only ``S`` again; other calls are unaffected.
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """

@@ -1127,6 +1127,12 @@ def _state_dot(cfg: Cfg, h_ref, dh_ref):
     return jnp.sum(jnp.sum(acc, axis=1, keepdims=True), axis=0, keepdims=True)
 
 
+def _fused_state_dot(cfg: Cfg, h_ref, dh_ref) -> bool:
+    """``state_dot="fused"`` applies: scalar gates, 16-bit states."""
+    return (cfg.state_dot == "fused" and not cfg.channel and jnp.dtype(h_ref.dtype).itemsize == 2
+            and jnp.dtype(dh_ref.dtype).itemsize == 2)
+
+
 def _store_tiles(ref, tiles, scale=None):
     for I, x in enumerate(tiles):
         store_rows(ref, I * SUB, x if scale is None else x * scale)
@@ -1241,16 +1247,22 @@ def intra_bwd_scores_whole(cfg: Cfg, *refs):
         dG = dG + _gate_sum(cfg, kf() * (dkL - dkR))
     dk = dkL + dkR + dMd * qs()
     beta = r["beta"][...].astype(F32)
+    fused = cfg.gated and _fused_state_dot(cfg, h_ref, dh_ref)
     dRw = -mm(cfg, dru_ref[...], h_ref[...], tb=True)
     kdRw = _mul(kf(), ein) * dRw
     db = jnp.sum(kdRw, axis=1, keepdims=True)
     dbeta_ref[...] = (dbp_ref[...].astype(F32) + db).astype(dbeta_ref.dtype)
     dk = dk + _mul(beta * dRw, ein)
-    dkout = mm(cfg, _whole_in(cfg, ut_ref), dh_ref[...], tb=True)
+    ut = _whole_in(cfg, ut_ref)
+    dS = dh_ref[...]
+    dkout = mm(cfg, ut, dS, tb=True)
+    if fused:  # Σ S ⊙ dS from the dS just loaded for dkout (only S is read again)
+        sdot = jnp.sum(h_ref[...].astype(F32) * dS.astype(F32), axis=1, keepdims=True)
+        sdot = jnp.sum(sdot, axis=0, keepdims=True)
     dk_ref[...] = (dk + _mul(dkout, eout)).astype(dk_ref.dtype)
     if cfg.gated:
         dg_ref, de_ref = rest[10:]
-        dGC = _state_dot(cfg, h_ref, dh_ref) * d_end
+        dGC = (sdot if fused else _state_dot(cfg, h_ref, dh_ref)) * d_end
         dg_ref[...] = (dG + beta * db + jnp.where(iota((C, 1), 0) == C - 1, dGC, 0.0)).astype(dg_ref.dtype)
         de_ref[...] = _gate_sum(cfg, kf() * dkout, eout).astype(de_ref.dtype)
 

@@ -64,7 +64,7 @@ HIGHEST = lax.Precision.HIGHEST
 
 GATES = ("none", "scalar", "channel")
 INTRAS = ("tiles", "whole", "halves")
-STATE_DOTS = ("elementwise", "tensor")
+STATE_DOTS = ("elementwise", "tensor", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,8 @@ class Cfg:
                           # or "halves" (the forward's products and solve in two halves of C/2 rows, then merged:
                           # kernels.intra_fwd_halves; the backward's kernels as "whole")
     state_dot: str = "elementwise"  # scalar gates, 16-bit states: Σ S ⊙ dS in the backward's scores kernel as
-                                    # elementwise products or on tensor cores (STATE_DOTS; kernels._state_dot)
+                                    # elementwise products, on tensor cores or from the loaded dS (STATE_DOTS;
+                                    # kernels._state_dot, kernels._fused_state_dot)
 
     @property
     def nb(self) -> int:

@@ -353,17 +353,21 @@ def test_mild_gates_carry_the_state_across_chunks(rule, transposed, dtype):
           tuning=(("transposed_state", transposed), ("state_bwd", "triton")))
 
 
-@pytest.mark.parametrize("target,intra", [("gpu", "whole"), ("tpu", "tiles"),
-                                          pytest.param("gpu", "tiles", marks=pytest.mark.slow)])
-def test_state_dot_on_tensor_cores(target, intra):
-    """``state_dot="tensor"``: GDN's ``Σ S ⊙ dS`` (the gate gradient through a chunk's decay) as the trace of
-    64-row block products. bf16 inputs at K = 128 (two blocks), mild gates (that term reaches ``dg``),
-    forward and every gradient against the reference, in the whole and the tile scores kernels."""
+@pytest.mark.parametrize("state_dot,target,intra", [
+    ("tensor", "gpu", "whole"), ("tensor", "tpu", "tiles"), ("fused", "gpu", "whole"),
+    pytest.param("tensor", "gpu", "tiles", marks=pytest.mark.slow),
+    pytest.param("fused", "gpu", "tiles", marks=pytest.mark.slow)])
+def test_state_dot_forms(state_dot, target, intra):
+    """``state_dot``: GDN's ``Σ S ⊙ dS`` (the gate gradient through a chunk's decay) as the trace of 64-row
+    block products (``"tensor"``) or from the ``dS`` the whole-chunk scores kernel loads for ``dkout``
+    (``"fused"``; the tile kernels keep the elementwise products). bf16 inputs at K = 128 (two blocks),
+    mild gates (that term reaches ``dg``), forward and every gradient against the reference, in the whole
+    and the tile scores kernels."""
     x = make_inputs(31, gates="mild", dtype=jnp.bfloat16, shape=(1, 96, 2, 128, 32))
-    tuning = (("state_dot", "tensor"), ("intra", intra)) if target == "gpu" else (("state_dot", "tensor"),)
+    tuning = (("state_dot", state_dot), ("intra", intra)) if target == "gpu" else (("state_dot", state_dot),)
     check("gdn", x, False, 1e-2, target=target, tuning=tuning)
     a = [jnp.asarray(x[n]) for n in ("q", "k", "v", "gs", "beta")]
-    assert kd._debug_spec(*a, state_dot="tensor")[0].cfg.state_dot == "tensor"
+    assert kd._debug_spec(*a, state_dot=state_dot)[0].cfg.state_dot == state_dot
     assert kd._debug_spec(*a)[0].cfg.state_dot == "elementwise"
     with pytest.raises(ValueError, match="state_dot"):
         kd.chunk_gated_delta_rule(*a, interpret=True, state_dot="trace")
