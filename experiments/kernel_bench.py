@@ -799,7 +799,10 @@ def plot(results):
             ax.set_yscale("log")
             ax.set_ylabel("ms (median)")
             ax.set_title(f"bench {mode}, H={H}, D={D}, bf16")
-            ax.legend(fontsize=6, ncol=2)
+            if keys:
+                ax.legend(fontsize=6, ncol=2)
+            else:
+                ax.text(0.5, 0.5, f"no {mode} row timed", ha="center", va="center", transform=ax.transAxes)
         row = 1
     for name, _ in panels:
         ax = fig.add_subplot(grid[row, :])

@@ -200,6 +200,19 @@ def test_bench_times_steady_state_and_synchronized_calls(tiny, monkeypatch):
     assert "synchronized calls" in table and "| (1, 64) | delta | fwd |" in table
 
 
+def test_plot_says_which_bench_mode_timed_nothing():
+    """A bench mode whose every row failed (``ms`` None) gets a panel that says so, not an empty legend
+    (matplotlib warns on a legend without labels)."""
+    import warnings
+    row = dict(B=1, T=64, rule="delta", method="pallas", flops=1.0, bytes=1.0, ms_sync=None)
+    res = {"parts": ["bench"], "bench": [dict(row, mode="fwd", ms=0.5), dict(row, mode="fwdbwd", ms=None)]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = kb.plot(res)
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "no fwdbwd row timed" in texts and "no fwd row timed" not in texts
+
+
 def test_ab_knobs_may_set_the_chunk_size(monkeypatch):
     """``--ab chunk_size=64,...`` pairs 64-token chunks against the default: a ``chunk_size`` knob
     overrides ``--pallas_chunk`` in the call the rule's function makes."""
