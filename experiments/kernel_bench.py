@@ -514,12 +514,13 @@ def part_bench(results, shapes, reps, methods, pallas_ok, over=lambda: False, ru
                 log("check", rule, (B, T), e)
             outs.clear()
             if fla is not None and not over():
-                tx = torch_inputs(x)
+                tx = None
                 for mode in ("fwd", "fwdbwd"):
                     if rule == "gdn" and mode == "fwdbwd":
                         continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper
                     ms_sync = None
                     try:
+                        tx = torch_inputs(x) if tx is None else tx
                         run = fla_call(fla, rule, mode, tx)
                         ms = time_torch(run, reps=reps)
                         ms_sync = time_torch_sync(run, reps=reps)
@@ -614,11 +615,12 @@ def part_profile(results, shapes, rules=RULES, methods=("pallas", "fla"), chunk_
         if over():
             log("budget reached: skipping fla profile", (B, T))
             continue
-        tx = torch_inputs(make_inputs(B, T, AB_DTYPES[dtype]))
+        tx = None
         for rule, mode, key in keys[B, T]:
             if rule == "gdn" and mode == "fwdbwd":
                 continue  # fla's GDN backward miscompiles on Triton 3.6 + Hopper
             try:
+                tx = torch_inputs(make_inputs(B, T, AB_DTYPES[dtype])) if tx is None else tx
                 out[key + " fla"] = torch_profile(fla_call(fla, rule, mode, tx))
             except Exception as ex:  # noqa: BLE001
                 traceback.print_exc()

@@ -223,6 +223,38 @@ def test_kernel_bench_profile_runs_all_of_ours_before_any_of_fla(tmp_path, capsy
     assert (tmp_path / "kernel_bench" / "kernel_bench.png").is_file()
 
 
+def test_kernel_bench_fla_inputs_failing_once_cost_one_record(tmp_path, capsys, monkeypatch):
+    """fla's inputs are built inside each record's try: when building them fails (say, out of memory), that
+    (shape, rule, mode) records the error and the next one builds them again and is profiled."""
+    import sys
+    import types
+
+    from experiments import op_profile
+
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(kernel_bench, "H", 2)
+    monkeypatch.setattr(kernel_bench, "D", 16)
+    monkeypatch.setattr(kernel_bench, "load_fla", lambda: {"delta": None})
+    failures = [RuntimeError("CUDA out of memory")]
+
+    def torch_inputs(x):
+        if failures:
+            raise failures.pop()
+        return x
+
+    monkeypatch.setattr(kernel_bench, "torch_inputs", torch_inputs)
+    monkeypatch.setattr(kernel_bench, "fla_call", lambda fla, rule, mode, tx: (rule, mode))
+    monkeypatch.setattr(kernel_bench, "torch_profile", lambda run: {"busy_ms_per_call": 2.0, "top": []})
+    monkeypatch.setattr(kernel_bench, "rule_call", lambda fn, mode, x, rule: (lambda: None, ()))
+    monkeypatch.setattr(op_profile, "profile", lambda fn, **kw: {"busy_ms_per_call": 1.0, "source": "s", "top": []})
+    rec = kernel_bench.main(["--parts", "profile", "--methods", "pallas,fla", "--shapes", "1,64",
+                             "--rules", "delta", "--out", str(tmp_path)])
+    fla = {k: v for k, v in rec["profile"].items() if k.endswith(" fla")}
+    assert ["out of memory" in v.get("error", "") for v in fla.values()] == [True, False], fla
+    assert [v.get("busy_ms_per_call") for v in fla.values()] == [None, 2.0]
+
+
 # --------------------------------------------------------------------------------------------- kv_read
 def test_kv_read_names_a_bad_dtype(capsys):
     line = _refused(capsys, kv_read.main, ["--dtype", "int8"], "kv_read")
