@@ -255,6 +255,33 @@ def test_kernel_bench_fla_inputs_failing_once_cost_one_record(tmp_path, capsys, 
     assert [v.get("busy_ms_per_call") for v in fla.values()] == [None, 2.0]
 
 
+def test_kernel_bench_fla_inputs_failing_once_cost_one_bench_row(monkeypatch):
+    """The bench part likewise: fla's inputs failing once leave that row without a time, and the next mode
+    builds them again and is timed."""
+    import sys
+    import types
+
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(kernel_bench, "H", 2)
+    monkeypatch.setattr(kernel_bench, "D", 16)
+    monkeypatch.setattr(kernel_bench, "load_fla", lambda: {"delta": None})
+    failures = [RuntimeError("CUDA out of memory")]
+
+    def torch_inputs(x):
+        if failures:
+            raise failures.pop()
+        return x
+
+    monkeypatch.setattr(kernel_bench, "torch_inputs", torch_inputs)
+    monkeypatch.setattr(kernel_bench, "fla_call", lambda fla, rule, mode, tx: (lambda: None))
+    monkeypatch.setattr(kernel_bench, "time_torch", lambda run, reps=1: 2.0)
+    monkeypatch.setattr(kernel_bench, "time_torch_sync", lambda run, reps=1: 2.5)
+    res = {}
+    kernel_bench.part_bench(res, [(1, 64)], 1, ["fla"], False, rules=("delta",))
+    assert [(r["method"], r["mode"], r["ms"]) for r in res["bench"]] == [("fla", "fwd", None), ("fla", "fwdbwd", 2.0)]
+
+
 # --------------------------------------------------------------------------------------------- kv_read
 def test_kv_read_names_a_bad_dtype(capsys):
     line = _refused(capsys, kv_read.main, ["--dtype", "int8"], "kv_read")
