@@ -209,6 +209,16 @@ def _state_spec(s: Spec, cols, f):
     return pl.BlockSpec((None, None, s.K, cols), lambda *i: (lambda b, h, d: (b, h, 0, d))(*f(*i)))
 
 
+def _pass_specs(s: Spec, N: int, C: int, K: int, bv: int):
+    """The GPU state passes' whole-sequence blocks over their ``(b, h, value block j)`` grid: ``[T, K]``,
+    ``[T, C]`` and ``[T, bv]`` token arrays, the ``[N, K, 1]`` chunk decays, the ``[K, bv]`` state and the
+    ``[N, K, bv]`` per-chunk states."""
+    T = N * C
+    return (_tok_spec(s, T, K, lambda b, h, j: (b, 0, h, 0)), _tok_spec(s, T, C, lambda b, h, j: (b, 0, h, 0)),
+            _tok_spec(s, T, bv, lambda b, h, j: (b, 0, h, j)), _chk_spec(s, N, K, 1, lambda b, h, j: (b, 0, h, 0)),
+            _state_spec(s, bv, lambda b, h, j: (b, h, j)), _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j)))
+
+
 def _params(s: Spec, semantics, state=False, warps=None, stages=None):
     if s.target == "gpu":
         if pltriton is None:
@@ -430,12 +440,7 @@ def _state_fwd(s: Spec, W, U, qk: _QK, dend, h0, M=None, *, out_dtype=None, stor
     args = [W, U, kout, dend, h0] + ([qin, M] if out.o else [])
     if s.target == "gpu":
         T = N * C
-        fk = _tok_spec(s, T, K, lambda b, h, j: (b, 0, h, 0))
-        fc = _tok_spec(s, T, C, lambda b, h, j: (b, 0, h, 0))
-        fv = _tok_spec(s, T, bv, lambda b, h, j: (b, 0, h, j))
-        fd = _chk_spec(s, N, K, 1, lambda b, h, j: (b, 0, h, 0))
-        st = _state_spec(s, bv, lambda b, h, j: (b, h, j))
-        fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
+        fk, fc, fv, fd, st, fh = _pass_specs(s, N, C, K, bv)
         in_specs, out_specs = [fk, fv, fk, fd, st, fk, fc], [fh, fv, st, fv]
         f1 = _tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))
         body = functools.partial(kn.state_fwd_loop, s.cfg, N, out, pairs=s.state_pairs,
@@ -521,12 +526,7 @@ def _state_bwd(s: Spec, M, do, qk: _QK, W, dend, dsT, *, stores=True):
     keep = slice(None) if stores else slice(2, 3)
     if s.target == "gpu":
         T = N * C
-        fk = _tok_spec(s, T, K, lambda b, h, j: (b, 0, h, 0))
-        fc = _tok_spec(s, T, C, lambda b, h, j: (b, 0, h, 0))
-        fv = _tok_spec(s, T, bv, lambda b, h, j: (b, 0, h, j))
-        fd = _chk_spec(s, N, K, 1, lambda b, h, j: (b, 0, h, 0))
-        st = _state_spec(s, bv, lambda b, h, j: (b, h, j))
-        fh = _chk_spec(s, N, K, bv, lambda b, h, j: (b, 0, h, j))
+        fk, fc, fv, fd, st, fh = _pass_specs(s, N, C, K, bv)
         f1 = [_tok_spec(s, T, 1, lambda b, h, j: (b, 0, h, 0))] * (2 if cols else 0)
         if cols and _transposed(s):
             args[-1], f1[1] = _eout_rows(s, args[-1])
