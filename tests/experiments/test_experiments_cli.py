@@ -223,13 +223,11 @@ def test_kernel_bench_profile_runs_all_of_ours_before_any_of_fla(tmp_path, capsy
     assert (tmp_path / "kernel_bench" / "kernel_bench.png").is_file()
 
 
-def test_kernel_bench_fla_inputs_failing_once_cost_one_record(tmp_path, capsys, monkeypatch):
-    """fla's inputs are built inside each record's try: when building them fails (say, out of memory), that
-    (shape, rule, mode) records the error and the next one builds them again and is profiled."""
+@pytest.fixture
+def fla_inputs_fail_once(monkeypatch):
+    """Stand-ins for torch and fla (tiny H, D) whose input building fails once, as out of memory would."""
     import sys
     import types
-
-    from experiments import op_profile
 
     torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
     monkeypatch.setitem(sys.modules, "torch", torch)
@@ -244,6 +242,13 @@ def test_kernel_bench_fla_inputs_failing_once_cost_one_record(tmp_path, capsys, 
         return x
 
     monkeypatch.setattr(kernel_bench, "torch_inputs", torch_inputs)
+
+
+def test_kernel_bench_fla_inputs_failing_once_cost_one_record(tmp_path, capsys, monkeypatch, fla_inputs_fail_once):
+    """fla's inputs are built inside each record's try: when building them fails (say, out of memory), that
+    (shape, rule, mode) records the error and the next one builds them again and is profiled."""
+    from experiments import op_profile
+
     monkeypatch.setattr(kernel_bench, "fla_call", lambda fla, rule, mode, tx: (rule, mode))
     monkeypatch.setattr(kernel_bench, "torch_profile", lambda run: {"busy_ms_per_call": 2.0, "top": []})
     monkeypatch.setattr(kernel_bench, "rule_call", lambda fn, mode, x, rule: (lambda: None, ()))
@@ -255,25 +260,9 @@ def test_kernel_bench_fla_inputs_failing_once_cost_one_record(tmp_path, capsys, 
     assert [v.get("busy_ms_per_call") for v in fla.values()] == [None, 2.0]
 
 
-def test_kernel_bench_fla_inputs_failing_once_cost_one_bench_row(monkeypatch):
+def test_kernel_bench_fla_inputs_failing_once_cost_one_bench_row(monkeypatch, fla_inputs_fail_once):
     """The bench part likewise: fla's inputs failing once leave that row without a time, and the next mode
     builds them again and is timed."""
-    import sys
-    import types
-
-    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True))
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    monkeypatch.setattr(kernel_bench, "H", 2)
-    monkeypatch.setattr(kernel_bench, "D", 16)
-    monkeypatch.setattr(kernel_bench, "load_fla", lambda: {"delta": None})
-    failures = [RuntimeError("CUDA out of memory")]
-
-    def torch_inputs(x):
-        if failures:
-            raise failures.pop()
-        return x
-
-    monkeypatch.setattr(kernel_bench, "torch_inputs", torch_inputs)
     monkeypatch.setattr(kernel_bench, "fla_call", lambda fla, rule, mode, tx: (lambda: None))
     monkeypatch.setattr(kernel_bench, "time_torch", lambda run, reps=1: 2.0)
     monkeypatch.setattr(kernel_bench, "time_torch_sync", lambda run, reps=1: 2.5)
