@@ -1152,7 +1152,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
              anchored_bwd=None, num_warps_scores=None, num_warps_fwd=None, num_warps_solve=None, fuse_output=True,
              state_bwd="auto", inverse="auto", state_split="auto", grid_order="bhn", chunks_per_program="auto",
              anchored_fwd="fixup", qk_arrays="auto", state_pairs=False, intra="auto", fixup_chunks=1,
-             transposed_state="auto", state_dot="elementwise"):
+             transposed_state="auto", state_dot="fused"):
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")

@@ -92,9 +92,9 @@ class Cfg:
                           # per-channel gates, "whole" (one [C, C] / [C, D] matmul per product; kernels.intra_fwd_whole)
                           # or "halves" (the forward's products and solve in two halves of C/2 rows, then merged:
                           # kernels.intra_fwd_halves; the backward's kernels as "whole")
-    state_dot: str = "elementwise"  # scalar gates, 16-bit states: Σ S ⊙ dS in the backward's scores kernel as
-                                    # elementwise products, on tensor cores or from the loaded dS (STATE_DOTS;
-                                    # kernels._state_dot, kernels._fused_state_dot)
+    state_dot: str = "fused"  # scalar gates, 16-bit states: Σ S ⊙ dS in the backward's scores kernel from the
+                              # loaded dS, as elementwise products or on tensor cores (STATE_DOTS;
+                              # kernels._fused_state_dot, kernels._state_dot)
 
     @property
     def nb(self) -> int:

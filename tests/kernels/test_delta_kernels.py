@@ -32,9 +32,10 @@ from kernels.delta import reference as kref
 B, T, H, K, V = 2, 75, 2, 16, 16  # odd T: 3 chunks of 32 (GPU flavour), 2 of 64 (TPU flavour)
 RULES = ("delta", "gdn", "kda", "kda_bounded")  # kda_bounded: chunk_kda(..., gate_lower_bound=-5)
 BOUND = -5.0
-# One xdist worker runs this file: the compiled kernels and references (cached below) are shared by
-# the tests of every gate regime, dtype and flavour instead of compiled again on the other worker.
-pytestmark = pytest.mark.xdist_group("delta_kernels")
+# On a CPU one xdist worker runs this file: the interpreted kernels and the references (cached below)
+# are compiled once for the tests of every gate regime, dtype and flavour instead of again on the other
+# worker. On a GPU the compiled kernels are quick to build and the file spreads over every worker.
+pytestmark = [pytest.mark.xdist_group("delta_kernels")] if jax.default_backend() == "cpu" else []
 
 
 def rel_err(a, b):
@@ -355,12 +356,14 @@ def test_mild_gates_carry_the_state_across_chunks(rule, transposed, dtype):
 
 @pytest.mark.parametrize("state_dot,target,intra", [
     ("tensor", "gpu", "whole"), ("tensor", "tpu", "tiles"), ("fused", "gpu", "whole"),
+    ("elementwise", "gpu", "whole"),
     pytest.param("tensor", "gpu", "tiles", marks=pytest.mark.slow),
     pytest.param("fused", "gpu", "tiles", marks=pytest.mark.slow)])
 def test_state_dot_forms(state_dot, target, intra):
     """``state_dot``: GDN's ``Σ S ⊙ dS`` (the gate gradient through a chunk's decay) as the trace of 64-row
-    block products (``"tensor"``) or from the ``dS`` the whole-chunk scores kernel loads for ``dkout``
-    (``"fused"``; the tile kernels keep the elementwise products). bf16 inputs at K = 128 (two blocks),
+    block products (``"tensor"``), from the ``dS`` the whole-chunk scores kernel loads for ``dkout``
+    (``"fused"``, the default; the tile kernels keep the elementwise products) or as elementwise products
+    of both states read again. bf16 inputs at K = 128 (two blocks),
     mild gates (that term reaches ``dg``), forward and every gradient against the reference, in the whole
     and the tile scores kernels."""
     x = make_inputs(31, gates="mild", dtype=jnp.bfloat16, shape=(1, 96, 2, 128, 32))
@@ -368,7 +371,7 @@ def test_state_dot_forms(state_dot, target, intra):
     check("gdn", x, False, 1e-2, target=target, tuning=tuning)
     a = [jnp.asarray(x[n]) for n in ("q", "k", "v", "gs", "beta")]
     assert kd._debug_spec(*a, state_dot=state_dot)[0].cfg.state_dot == state_dot
-    assert kd._debug_spec(*a)[0].cfg.state_dot == "elementwise"
+    assert kd._debug_spec(*a)[0].cfg.state_dot == "fused"
     with pytest.raises(ValueError, match="state_dot"):
         kd.chunk_gated_delta_rule(*a, interpret=True, state_dot="trace")
 
