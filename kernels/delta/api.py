@@ -1409,11 +1409,12 @@ _DOC = """
       16-row tile pairs, or (GPU) one ``[C, C]`` / ``[C, D]`` matmul per product (per-channel gates: 16-bit
       inputs, the forward kernel alone), or (scalar or no gates) the forward's from two whole halves of the
       chunk (C >= 32); ``"auto"``: :func:`default_intra`.
-      ``state_dot`` (``STATE_DOTS``; default ``"elementwise"``): with scalar gates and 16-bit states, the
-      gate gradient's ``Σ S ⊙ dS`` in the backward's scores kernel as elementwise products or as the
+      ``state_dot`` (``STATE_DOTS``; default ``"fused"``): with scalar gates and 16-bit states, the gate
+      gradient's ``Σ S ⊙ dS`` in the backward's scores kernel from the ``dS`` the whole-chunk kernel loads
+      for its ``Ũ dSᵀ`` product, reading only ``S`` again (``"fused"``; the tile kernels then take the
+      elementwise form), as elementwise products of both states read again (``"elementwise"``), or as the
       trace of 64-row block products on tensor cores (``"tensor"``: fewer instructions, 1-2% slower on an
-      H200, docs/kernels.md), or (``"fused"``, the whole-chunk scores kernel) from the ``dS`` that kernel
-      loads for its ``Ũ dSᵀ`` product, reading only ``S`` again; other calls are unaffected.
+      H200, docs/kernels.md); other calls are unaffected.
     Returns:
       ``(o [B, T, H, V] in the inputs' dtype, S [B, H, K, V] float32)``.
     """
