@@ -9,6 +9,9 @@ import glob
 import importlib.util
 import mmap
 import os
+import re
+import subprocess
+import sys
 from typing import Optional
 
 YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"
@@ -29,6 +32,41 @@ def jaxlib_knows(flag: str) -> bool:
     return False
 
 
+# The XLA flags the suite sets where this jaxlib takes them, and the environment variable that carries
+# the names its flag parser refused (probed once; subprocesses and xdist workers inherit it).
+OPTIONAL_FLAGS = (("xla_backend_optimization_level", "0"), ("xla_llvm_disable_expensive_passes", "true"),
+                  *FAST_COMPILE_FLAGS, (YNN_FLAG, ""))
+REFUSED_ENV = "LINEAGE_TESTS_REFUSED_XLA_FLAGS"
+
+
+def refused_flags() -> frozenset:
+    """The names among ``OPTIONAL_FLAGS`` found in jaxlib's binaries that its XLA flag parser still refuses
+    (a removed flag's name can stay in the binary, e.g. as a reserved field of XLA's options proto): a
+    subprocess starts XLA:CPU with them, each name its "Unknown flag in XLA_FLAGS" error names is dropped
+    and it starts again. Probed once; the answer is kept in ``$LINEAGE_TESTS_REFUSED_XLA_FLAGS``."""
+    if REFUSED_ENV in os.environ:
+        return frozenset(n for n in os.environ[REFUSED_ENV].split(",") if n)
+    left = {f: v for f, v in OPTIONAL_FLAGS if jaxlib_knows(f)}
+    refused = set()
+    while left:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(f"--{f}={v}" for f, v in left.items()))
+        proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+                              text=True, timeout=300)
+        line = next((ln for ln in proc.stderr.splitlines() if "Unknown flag" in ln and "XLA_FLAGS" in ln), "")
+        names = set(re.findall(r"--([A-Za-z0-9_]+)", line.split("XLA_FLAGS", 1)[-1])) & set(left)
+        if proc.returncode == 0 or not names:  # started, or failed for another reason: not the flags'
+            break
+        refused |= names
+        left = {f: v for f, v in left.items() if f not in names}
+    os.environ[REFUSED_ENV] = ",".join(sorted(refused))
+    return frozenset(refused)
+
+
+def xla_takes(flag: str) -> bool:
+    """Whether this jaxlib's XLA takes flag ``flag`` (one of ``OPTIONAL_FLAGS``) in ``XLA_FLAGS``."""
+    return jaxlib_knows(flag) and flag not in refused_flags()
+
+
 def fake_device_xla_flags(devices: int, base: Optional[str] = None) -> str:
     """``base`` (default: ``$XLA_FLAGS``) + ``devices`` fake CPU devices, compiled fast.
 
@@ -40,8 +78,7 @@ def fake_device_xla_flags(devices: int, base: Optional[str] = None) -> str:
     """
     flags = [os.environ.get("XLA_FLAGS", "") if base is None else base,
              f"--xla_force_host_platform_device_count={devices}"]
-    for flag, value in (("xla_backend_optimization_level", "0"), ("xla_llvm_disable_expensive_passes", "true"),
-                        *FAST_COMPILE_FLAGS, (YNN_FLAG, "")):
-        if jaxlib_knows(flag):
+    for flag, value in OPTIONAL_FLAGS:
+        if xla_takes(flag):
             flags.append(f"--{flag}={value}")
     return " ".join(f for f in flags if f)

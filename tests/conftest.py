@@ -35,13 +35,13 @@ if _cpu_only() and "--xla_backend_optimization_level" not in os.environ.get("XLA
 # thread pool: for the suite's small programs the split costs more than it saves (one part:
 # tests/layers/test_mixers.py 78 -> 69 s of CPU). Its concurrency-optimised HLO scheduler also costs
 # compile time that test-sized programs never win back (off: test_mixers.py 68 -> 66 s, test_mla.py
-# with test_softmax.py 48 -> 46.5 s of CPU). Only where this jaxlib has the flags (an unknown flag
+# with test_softmax.py 48 -> 46.5 s of CPU). Only where this jaxlib takes the flags (an unknown flag
 # is fatal).
 if _cpu_only():
-    from tests._fake_devices import FAST_COMPILE_FLAGS, jaxlib_knows
+    from tests._fake_devices import FAST_COMPILE_FLAGS, xla_takes
 
     for _flag, _value in FAST_COMPILE_FLAGS:
-        if f"--{_flag}" not in os.environ.get("XLA_FLAGS", "") and jaxlib_knows(_flag):
+        if f"--{_flag}" not in os.environ.get("XLA_FLAGS", "") and xla_takes(_flag):
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{_flag}={_value}").strip()
 
 # One compilation cache per test run, shared by the xdist workers and the CLI tests' subprocesses

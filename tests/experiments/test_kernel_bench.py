@@ -167,12 +167,17 @@ def test_bad_ab_flags_are_named(argv, message, capsys):
 
 def test_profile_lists_the_kernels_of_one_call(tiny, monkeypatch):
     """``--parts profile``: ours read from the profiler's trace per (shape, rule, mode), busy time the
-    sum of its operations; fla is skipped where it is not importable (here: no GPU)."""
+    sum of its operations; fla's beside them where torch has a GPU and fla imports, else skipped."""
     monkeypatch.setattr(kb, "PROFILE_CALLS", 1)
     monkeypatch.setattr(kb, "PALLAS_TUNING", {"inverse": "loop"})
+    try:
+        import torch
+        methods = ("pallas", "fla") if torch.cuda.is_available() and kb.load_fla() is not None else ("pallas",)
+    except ImportError:
+        methods = ("pallas",)
     res = {}
     kb.part_profile(res, [(1, 64)], rules=("delta",), methods=("pallas", "fla"), chunk_size=32)
-    assert set(res["profile"]) == {"(1, 64) delta fwd pallas", "(1, 64) delta fwdbwd pallas"}
+    assert set(res["profile"]) == {f"(1, 64) delta {mode} {m}" for mode in ("fwd", "fwdbwd") for m in methods}
     for r in res["profile"].values():
         assert "error" not in r, r
         assert r["top"] and r["busy_ms_per_call"] >= sum(t["ms_per_call"] for t in r["top"]) * (1 - 1e-9)

@@ -96,12 +96,14 @@ def test_auto_choice(monkeypatch):
     limit = GR.DENSE_EXPANSION_LIMIT_BYTES
     g, n = 8, 64
     m = limit // (g * n * 2)                                       # exactly at the limit in bf16
+    big = "pallas" if jax.default_backend() == "gpu" else "tiled"  # past the limit: GPUs take the kernel
     assert GR.resolve_impl("auto", m, n, g, jnp.bfloat16) == "ragged_dot"
-    assert GR.resolve_impl("auto", m + 1, n, g, jnp.bfloat16) == "tiled"
-    assert GR.resolve_impl("auto", m, n, g, jnp.float32) == "tiled"     # 4-byte output: twice the bytes
-    # "auto" really dispatches on it: force the tiled path with a tiny limit.
+    assert GR.resolve_impl("auto", m + 1, n, g, jnp.bfloat16) == big
+    assert GR.resolve_impl("auto", m, n, g, jnp.float32) == big         # 4-byte output: twice the bytes
+    # "auto" really dispatches on it: force the path past the limit with a tiny limit.
     calls = []
-    monkeypatch.setattr(GR, "_tiled", lambda *a: calls.append(1) or jax.lax.ragged_dot(*a[:3]))
+    spy = lambda *a, **kw: calls.append(1) or jax.lax.ragged_dot(*a[:3])  # noqa: E731
+    monkeypatch.setattr(GR, "gmm" if big == "pallas" else "_tiled", spy)
     x, w, gs = make_inputs(4, 16, 4, 4, [8, 8], jnp.float32)
     GR.grouped_matmul(x, w, gs)
     assert not calls

@@ -142,3 +142,33 @@ def test_transformers_checkpoint_loads_onto_an_expert_parallel_mesh():
     assert res["max_param_diff"] == 0.0 and res["placed_on_mesh"] == res["params"], res
     assert res["expert_sharded"] >= 3, res  # the routed experts' three weights split over "expert"
     assert res["logits_rel"] <= TOL, res
+
+
+def test_flags_the_xla_parser_refuses_are_left_out(monkeypatch):
+    """A compile-time flag whose name is in jaxlib's binaries but which XLA's flag parser refuses (fatal at
+    start: "Unknown flag in XLA_FLAGS") is left out of the fake-device flags, the others kept; the probe
+    runs once and its answer travels in the environment."""
+    from tests import _fake_devices as FD
+
+    monkeypatch.setenv(FD.REFUSED_ENV, "")
+    monkeypatch.delenv(FD.REFUSED_ENV)                           # restored (absent) after the test
+    monkeypatch.setattr(FD, "jaxlib_knows", lambda flag: True)
+    gone = "xla_cpu_use_fusion_emitters"
+    starts = []
+
+    def start(cmd, env, **kw):
+        starts.append(env["XLA_FLAGS"])
+        if f"--{gone}=" in env["XLA_FLAGS"]:
+            return subprocess.CompletedProcess(cmd, -6, "", f"F1205 parse_flags_from_env.cc:234] Unknown flag in "
+                                                            f"XLA_FLAGS: --{gone}=false\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(FD.subprocess, "run", start)
+    flags = FD.fake_device_xla_flags(8, base="--xla_dump_to=x")
+    assert gone not in flags, flags
+    assert flags.startswith("--xla_dump_to=x --xla_force_host_platform_device_count=8"), flags
+    for flag, value in FD.OPTIONAL_FLAGS:
+        assert flag == gone or f"--{flag}={value}" in flags, (flag, flags)
+    assert len(starts) == 2 and os.environ[FD.REFUSED_ENV] == gone
+    assert FD.fake_device_xla_flags(8, base="") == flags[len("--xla_dump_to=x "):]
+    assert len(starts) == 2                                      # probed once
