@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests._fake_devices import fake_device_xla_flags
+from tests._numerics import tolerance
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = "tests/fixtures/hf/kimi_linear"
@@ -59,7 +60,8 @@ def test_guide_checkpoint_example(tmp_path, monkeypatch, capsys):
     """hf.load matches transformers' logits (~1e-6), the greedy token after the prompt is transformers' own,
     and hf.save writes a checkpoint that loads back to the same logits."""
     ns = run_block(python_blocks("docs/guide.md")[1], tmp_path, monkeypatch)
-    assert float(capsys.readouterr().out) < 1e-5  # the printed relative difference
+    # the printed relative difference; a Kimi Linear model: the compiled delta-rule kernels on a GPU
+    assert float(capsys.readouterr().out) < tolerance(1e-5, kernels=True)
     ref = ns["ref"]
     np.testing.assert_array_equal(np.asarray(ns["tok"]), ref["greedy_forward"][:, 12])
     from lineage_jax import hf

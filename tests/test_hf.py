@@ -19,6 +19,7 @@ from flax import nnx
 
 from lineage_jax import hf
 from lineage_jax.models import Decoder, inference_steps
+from tests._numerics import tolerance
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FAMILIES = ("gpt2", "kimi_linear", "deepseek_v3")
@@ -55,8 +56,9 @@ def test_logits_match_transformers(family):
     assert logits.shape == ref["logits"].shape
     err = np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"]))
     # Measured: gpt2 3.4e-7, kimi_linear 2.0e-6, deepseek_v3 6.5e-7 (an epsilon of 1e-6 instead of 1e-5 in
-    # Kimi Linear's block norms moves its logits by 5.9e-5).
-    assert err <= 1e-5, f"{family}: max relative logit error {err:.2e}"
+    # Kimi Linear's block norms moves its logits by 5.9e-5). Kimi Linear's KDA layers run the compiled delta-rule
+    # kernels on a GPU (float32-accurate products, not float32-rounded).
+    assert err <= tolerance(1e-5, kernels=family == "kimi_linear"), f"{family}: max relative logit error {err:.2e}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
