@@ -225,7 +225,8 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
         try:
             from tensorboardX import SummaryWriter
             writer = SummaryWriter(os.path.join(workdir, "tb"))
-        except ImportError:  # pragma: no cover - tensorboardX is a dependency
+        except ImportError:  # tensorboardX is a dependency, but an environment may lack it
+            log("tensorboardX is not installed: no TensorBoard events (metrics.jsonl is written as always)")
             writer = None
 
         last: dict[str, float] = {}

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +45,13 @@ class _Wrap:
         self.it.set_state(s)
 
 
-def run(workdir, steps, config="tiny_kimi_linear", kill_at=None, model=None, **kw):
+def run(workdir, steps, config="tiny_kimi_linear", kill_at=None, model=None, log=lambda s: None, **kw):
     tc = TrainConfig(config=config, steps=steps, workdir=str(workdir), batch_size=2, seq_len=16, log_every=1,
                      save_every=100, progress=False, eval_batches=1, **kw)
     mc = get_config(config, **(model or {}))
     base = factory(tc, mc)
     data = lambda split: _Wrap(base(split), kill_at if split == "train" else None)
-    return train(tc, mc, data, log=lambda s: None)
+    return train(tc, mc, data, log=log)
 
 
 def test_exact_resume(tmp_path):
@@ -80,6 +81,15 @@ def test_loss_decreases_and_metrics_logged(tmp_path):
     rec = json.loads(open(tmp_path / "w" / "metrics.jsonl").readline())
     assert {"step", "loss", "grad_norm", "lr", "tokens_per_s"} <= set(rec)
     assert os.path.isdir(tmp_path / "w" / "tb") and os.listdir(tmp_path / "w" / "tb")
+
+
+def test_training_without_tensorboardx_says_so(tmp_path, monkeypatch):
+    """Without tensorboardX the loop says that it writes no TensorBoard events, and logs its metrics."""
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)      # its import raises ImportError
+    said = []
+    run(tmp_path / "w", 2, config="tiny_gpt2", log=said.append)
+    assert any("tensorboardX is not installed" in s for s in said), said
+    assert not os.path.exists(tmp_path / "w" / "tb") and len(losses(tmp_path / "w")) == 2
 
 
 def test_checkpoint_round_trip(tmp_path):
