@@ -186,14 +186,16 @@ def to_jsonable(obj: Any) -> Any:
 def finish(record: dict, name: str, out: str | os.PathLike, fig) -> dict:
     """Save ``fig`` as the PNG and ``record`` as the JSON; return the JSON-able record.
 
-    The record gains ``files = {"json": ..., "png": ...}`` (paths as given by ``out``).
+    The returned record gains ``files = {"json": ..., "png": ...}``, the paths as given by ``out``; the JSON
+    on disk names them relative to ``out`` (``<name>/<name>.json``), so a record carries no machine's folder.
     """
     folder = results_dir(out, name)
     png, js = folder / f"{name}.png", folder / f"{name}.json"
     fig.savefig(png, dpi=120, bbox_inches="tight")
     plt.close(fig)
     record = to_jsonable(dict(record, files={"json": str(js), "png": str(png)}))
-    js.write_text(json.dumps(record, indent=2) + "\n")
+    saved = dict(record, files={"json": f"{name}/{js.name}", "png": f"{name}/{png.name}"})
+    js.write_text(json.dumps(saved, indent=2) + "\n")
     return record
 
 

@@ -168,7 +168,8 @@ def test_kernel_bench_refuses_bad_options_before_creating_anything(tmp_path, cap
 
 def test_kernel_bench_writes_the_common_layout(tmp_path, capsys, monkeypatch):
     """``<out>/kernel_bench/kernel_bench.{json,png}`` with the common provenance (here a bench of cuDNN
-    attention alone, which fails on the CPU: an error row, and a figure that says nothing was timed)."""
+    attention alone, which fails on the CPU: an error row, and a figure that says nothing was timed); the
+    saved record names its files relative to ``--out``, no machine's folder."""
     monkeypatch.setattr(kernel_bench, "H", 2)
     monkeypatch.setattr(kernel_bench, "D", 16)
     monkeypatch.setattr(kernel_bench, "PALLAS_TUNING", {})
@@ -180,6 +181,9 @@ def test_kernel_bench_writes_the_common_layout(tmp_path, capsys, monkeypatch):
     assert saved["reps"] == 1 and saved["methods"] == ["cudnn"] and rec["files"]["png"].endswith("kernel_bench.png")
     assert (folder / "kernel_bench.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "kernel_bench.json").exists()
+    assert saved["files"] == {"json": "kernel_bench/kernel_bench.json", "png": "kernel_bench/kernel_bench.png"}
+    assert rec["files"]["json"] == str(folder / "kernel_bench.json")
+    assert str(tmp_path) not in (folder / "kernel_bench.json").read_text()
 
 
 def test_kernel_bench_help_names_the_script_and_its_defaults(capsys):
