@@ -285,6 +285,7 @@ class MemoryMixer(nnx.Module):
         if self.conv is not None:
             V.require_shape(fn, "cache.conv", cache.conv, (batch, self.conv_size - 1, self.conv_channels),
                             "[B,conv_size-1,C]")
+            V.require_float(fn, "cache.conv", cache.conv)
         elif cache.conv is not None:
             raise ValueError(f"{fn}: `cache.conv` must be None (this layer has no conv), got shape "
                              f"{V.shape_of(cache.conv)}")
@@ -365,6 +366,7 @@ class MemoryMixer(nnx.Module):
     def init_cache(self, batch: int, max_len: int = 0, dtype=jnp.float32) -> MemoryCache:
         """A zero state (``max_len`` is ignored: the state does not grow)."""
         batch = V.require_positive_int("MemoryMixer.init_cache", "batch", batch)
+        dtype = V.require_float_dtype("MemoryMixer.init_cache", "dtype", dtype)
         H, K, Vd = self.num_v_heads, self.head_dim, self.v_head_dim
         conv = (jnp.zeros((batch, self.conv_size - 1, self.conv_channels), dtype) if self.conv is not None else None)
         S = jnp.zeros((batch, H, K, Vd), jnp.float32)

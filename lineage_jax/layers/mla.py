@@ -209,6 +209,8 @@ class MLA(nnx.Module):
         L = cache.capacity
         V.require_shape(fn, "cache.latent", cache.latent, (batch, L, self.kv_lora_rank), "[B,L,kv_lora_rank]")
         V.require_shape(fn, "cache.k_rope", cache.k_rope, (batch, L, self.rope_dim), "[B,L,qk_rope_head_dim]")
+        V.require_float(fn, "cache.latent", cache.latent)
+        V.require_float(fn, "cache.k_rope", cache.k_rope)
         V.check_cache_length(fn, cache.length, batch)
 
     # ------------------------------------------------------------------ public
@@ -242,6 +244,7 @@ class MLA(nnx.Module):
         """An empty cache with room for ``max_len`` tokens per row."""
         batch = V.require_positive_int("MLA.init_cache", "batch", batch)
         max_len = V.require_positive_int("MLA.init_cache", "max_len", max_len)
+        dtype = V.require_float_dtype("MLA.init_cache", "dtype", dtype)
         return MLACache(latent=jnp.zeros((batch, max_len, self.kv_lora_rank), dtype),
                         k_rope=jnp.zeros((batch, max_len, self.rope_dim), dtype),
                         length=jnp.zeros((batch,), jnp.int32))

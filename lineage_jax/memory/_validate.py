@@ -67,6 +67,17 @@ def require_float(fn: str, name: str, x: Any) -> None:
         raise ValueError(f"{fn}: `{name}` must be a floating-point array, got dtype {x.dtype}")
 
 
+def require_float_dtype(fn: str, name: str, dtype: Any) -> Any:
+    """``dtype`` names a floating-point dtype (a cache's storage); returned as a NumPy dtype."""
+    try:
+        d = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"{fn}: `{name}` must be a floating-point dtype, got {dtype!r}") from None
+    if not jnp.issubdtype(d, jnp.floating):
+        raise ValueError(f"{fn}: `{name}` must be a floating-point dtype, got {d}")
+    return d
+
+
 def check_mode(fn: str, mode: Any) -> str:
     if mode not in MODES:
         raise ValueError(f"{fn}: `mode` must be one of {MODES}, got {mode!r}")

@@ -49,6 +49,7 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, *,
     num_kv_heads = V.require_positive_int(fn, "num_kv_heads", num_kv_heads)
     head_dim = V.require_positive_int(fn, "head_dim", head_dim)
     v_head_dim = head_dim if v_head_dim is None else V.require_positive_int(fn, "v_head_dim", v_head_dim)
+    dtype = V.require_float_dtype(fn, "dtype", dtype)
     return KVCache(
         k=jnp.zeros((batch, max_len, num_kv_heads, head_dim), dtype),
         v=jnp.zeros((batch, max_len, num_kv_heads, v_head_dim), dtype),
@@ -84,6 +85,9 @@ def check_kv_cache(fn: str, cache: KVCache, batch: int, key_dim: int) -> None:
     if V.shape_of(cache.v)[:3] != (batch, L, Hk):
         raise ValueError(f"{fn}: `cache.v` must have shape [B,L,Hkv,V] with B,L,Hkv = {(batch, L, Hk)} as in "
                          f"cache.k, got {V.shape_of(cache.v)}")
+    for name, a in (("cache.k", cache.k), ("cache.v", cache.v)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"{fn}: `{name}` must be a floating-point array, got dtype {a.dtype}")
     V.check_cache_length(fn, cache.length, batch)
 
 
@@ -202,6 +206,7 @@ def softmax_attention_extend(q: Array, k: Array, v: Array, cache: KVCache, *, sc
     fn = "softmax_attention_extend"
     V.require_rank(fn, "q", q, 4, "[B,T,H,K]")
     B, T, H, K = V.shape_of(q)
+    V.require_float(fn, "q", q)
     check_kv_cache(fn, cache, B, K)
     _, L, Hk, _ = V.shape_of(cache.k)
     V.require_shape(fn, "k", k, (B, T, Hk, K), "[B,T,Hkv,K] (as the cache)")
@@ -341,6 +346,7 @@ def softmax_attention_step(q_t: Array, k_t: Array, v_t: Array, cache: KVCache, *
     fn = "softmax_attention_step"
     V.require_rank(fn, "q_t", q_t, 3, "[B,H,K]")
     B, H, K = V.shape_of(q_t)
+    V.require_float(fn, "q_t", q_t)
     check_kv_cache(fn, cache, B, K)
     _, L, Hk, _ = V.shape_of(cache.k)
     V.require_shape(fn, "k_t", k_t, (B, Hk, K), "[B,Hkv,K] (as the cache)")

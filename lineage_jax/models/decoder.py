@@ -32,11 +32,12 @@ from lineage_jax.layers.common import LayerNorm, RMSNorm, constant, normal, para
 from lineage_jax.layers.ffn import MLP
 from lineage_jax.layers.grouped import RESIDUALS as GROUPED_RESIDUALS
 from lineage_jax.layers.memory_mixer import MemoryMixer
-from lineage_jax.layers.mla import MLA
+from lineage_jax.layers.mla import MLA, MLACache
 from lineage_jax.layers.moe import MoE
 from lineage_jax.memory import _validate
 from lineage_jax.memory.fused import RESIDUALS as ATTENTION_RESIDUALS
 from lineage_jax.memory.rules import DELTA_RESIDUALS
+from lineage_jax.memory.softmax import KVCache
 from lineage_jax.models.config import MIXERS, ModelConfig
 from lineage_jax.numerics import matmul_precision
 
@@ -46,6 +47,16 @@ Array = jax.Array
 class DecoderCache(NamedTuple):
     layers: tuple  # one entry per layer group (stacked along axis 0 for scanned groups)
     length: Array  # [B] int32 tokens seen per row
+
+
+def _cache_capacity(layers) -> Optional[int]:
+    """The fewest tokens any attention cache (:class:`KVCache`, :class:`MLACache`) in ``layers`` holds, or
+    None where every layer keeps a fixed-size state. Scanned groups stack their caches along a leading
+    layer axis, so the token axis is counted from the end."""
+    found = [c for c in jax.tree.leaves(layers, is_leaf=lambda x: isinstance(x, (KVCache, MLACache)))
+             if isinstance(c, (KVCache, MLACache))]
+    sizes = [c.k.shape[-3] if isinstance(c, KVCache) else c.latent.shape[-2] for c in found]
+    return min(sizes) if sizes else None
 
 
 def _norm(cfg: ModelConfig, rngs: nnx.Rngs):
@@ -335,8 +346,10 @@ class Decoder(nnx.Module):
         _check_ids(f"Decoder.{fn}", name, tokens, self.cfg.vocab_size, "vocab_size")
 
     def _check_cache(self, fn: str, cache: DecoderCache, batch: int, new_tokens: int) -> None:
-        """``cache`` is this model's :class:`DecoderCache` for ``batch`` rows, and (learned positions, concrete
-        lengths) ``new_tokens`` more fit the position table. Each layer checks its own cache."""
+        """``cache`` is this model's :class:`DecoderCache` for ``batch`` rows, and (concrete lengths)
+        ``new_tokens`` more fit its attention caches and the learned position table. Each layer checks its
+        own cache's shapes; the capacity is checked here, where the lengths are concrete — inside a scanned
+        layer group they are traced."""
         fn = f"Decoder.{fn}"
         if not isinstance(cache, DecoderCache):
             raise ValueError(f"{fn}: `cache` must be a DecoderCache (see Decoder.init_cache), "
@@ -346,6 +359,12 @@ class Decoder(nnx.Module):
             raise ValueError(f"{fn}: `cache.layers` must hold one cache per layer group ({len(self.groups_spec)} "
                              f"for pattern {self.cfg.pattern!r}), got {got}")
         _validate.check_cache_length(fn, cache.length, batch)
+        capacity = _cache_capacity(cache.layers)
+        if capacity is not None and _validate.is_concrete(cache.length):
+            filled = _validate.max_filled(cache.length)
+            if filled + new_tokens > capacity:
+                raise ValueError(f"{fn}: `cache` is full: {filled} + {new_tokens} tokens exceed capacity {capacity}; "
+                                 "allocate a larger max_len (Decoder.init_cache)")
         if self.pos is not None and _validate.is_concrete(cache.length):
             last = _validate.max_filled(cache.length) + new_tokens - 1
             if last >= self.cfg.max_seq_len:
@@ -436,6 +455,9 @@ class Decoder(nnx.Module):
         return self.forward(tokens, segment_ids=segment_ids)[0]
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> DecoderCache:
+        """Empty caches for ``batch`` rows: attention layers hold ``max_len`` tokens in ``dtype``; fixed-state
+        layers keep float32 states (their convolution windows in ``dtype``)."""
+        _validate.require_float_dtype("Decoder.init_cache", "dtype", dtype)
         caches = []
         for (_, _, n), group in zip(self.groups_spec, self.groups):
             if n == 1:

@@ -205,6 +205,22 @@ def test_attention_and_mla_check_their_caches():
         m.prefill(x, cm._replace(length=jnp.zeros((1,))))
 
 
+def test_caches_are_floating():
+    # an integer cache would round every stored key, latent or conv input silently
+    a, m, mm_ = Attention(Dm, num_heads=2, head_dim=4, rngs=nnx.Rngs(0)), mla(), mixer()
+    for call, match in [
+        (lambda: a.init_cache(1, 16, jnp.int32), r"init_kv_cache: `dtype` must be a floating-point dtype, got int32"),
+        (lambda: m.init_cache(1, 16, jnp.int8), r"MLA.init_cache: `dtype` must be a floating-point dtype, got int8"),
+        (lambda: mm_.init_cache(1, 16, jnp.int32), r"MemoryMixer.init_cache: `dtype` must be a floating-point dtype"),
+        (lambda: m.decode(x[:, 0], m.init_cache(1, 16)._replace(latent=jnp.zeros((1, 16, 4), jnp.int32))),
+         r"MLA.decode: `cache.latent` must be a floating-point array"),
+        (lambda: mm_.decode(x[:, 0], mm_.init_cache(1)._replace(conv=jnp.zeros((1, 3, 24), jnp.int32))),
+         r"MemoryMixer.decode: `cache.conv` must be a floating-point array"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
 # ---------------------------------------------------------------------------- MoE bias update
 def test_moe_update_bias_refuses_bad_rate_and_stats_and_keeps_the_bias():
     e = moe()
@@ -260,6 +276,7 @@ def test_decoder_checks_its_cache(learned):
     other = Decoder(config(pattern="KS", positions="learned", chunk_size=16), rngs=nnx.Rngs(0))
     c = m.init_cache(1, 32)
     for call, match in [
+        (lambda: m.init_cache(1, 32, jnp.int32), r"Decoder.init_cache: `dtype` must be a floating-point dtype"),
         (lambda: m.prefill(tok, m.init_cache(2, 32)),
          r"Decoder.prefill: `cache.length` has batch 2, the input has batch 1"),
         (lambda: m.decode(tok[:, 0], m.init_cache(2, 32)), r"Decoder.decode: `cache.length` has batch 2"),
@@ -272,6 +289,26 @@ def test_decoder_checks_its_cache(learned):
     ]:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+@pytest.mark.parametrize("pattern", ["SS", "MM", "SKSK"])
+def test_scanned_decoder_refuses_a_full_cache(pattern):
+    # repeated layers run under one scan, where the layers see traced lengths: the Decoder checks the capacity
+    kw = dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8) if "M" in pattern else {}
+    m = Decoder(config(pattern=pattern, chunk_size=16, **kw), rngs=nnx.Rngs(0))
+    assert m.cfg.scan_layers and any(n > 1 for _, _, n in m.groups_spec)
+    _, c = m.prefill(tok, m.init_cache(1, T))  # exactly full: fine
+    with pytest.raises(ValueError, match=rf"Decoder.decode: `cache` is full: {T} \+ 1 tokens exceed capacity {T}"):
+        m.decode(tok[:, 0], c)
+    with pytest.raises(ValueError, match=rf"Decoder.prefill: `cache` is full: 0 \+ {T + 1} tokens exceed capacity {T}"):
+        m.prefill(jnp.arange(T + 1, dtype=jnp.int32)[None], m.init_cache(1, T))
+
+
+def test_fixed_state_decoder_has_no_capacity():
+    m = Decoder(config(pattern="KK", chunk_size=16), rngs=nnx.Rngs(0))
+    _, c = m.prefill(tok, m.init_cache(1, 1))  # the states do not grow: max_len bounds nothing
+    logits, c = m.decode(tok[:, 0], c)
+    assert int(c.length[0]) == T + 1 and bool(jnp.isfinite(logits).all())
 
 
 def test_decoder_does_not_read_traced_tokens(learned):
