@@ -297,3 +297,15 @@ def test_train_cli_init_from_hf(tmp_path, capsys):
     assert e.value.code == 2 and "--config and --init-from-hf exclude each other" in capsys.readouterr().err
     with pytest.raises(ValueError, match="do not fit"):
         _init_from_hf(state, os.path.join(FIXTURES, "gpt2"), model_cfg, None)
+
+
+def test_train_cli_init_from_hf_that_does_not_fit_writes_nothing(tmp_path, capsys):
+    from lineage_jax.train.__main__ import main
+    wd = tmp_path / "r"
+    with pytest.raises(SystemExit) as e:
+        main(["--init-from-hf", os.path.join(FIXTURES, "gpt2"), "--steps", "1", "--workdir", str(wd),
+              "--set", "seq_len=16", "--set", "batch_size=2", "--set", "d_model=128", "--set", "vocab_size=256",
+              "--set", "progress=false"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "do not fit the run's model config" in err and "nothing was written" in err
+    assert not wd.exists()

@@ -18,11 +18,16 @@ from typing import Optional
 
 from lineage_jax.models import config_names, get_config
 from lineage_jax.parallel import maybe_initialize_distributed, parse_mesh_spec
-from lineage_jax.train.checkpoint import CheckpointError
+from lineage_jax.train.checkpoint import CheckpointError, NonFiniteStateError
 from lineage_jax.train.config import TrainConfig, apply_overrides
 from lineage_jax.train.inputs import make_data
-from lineage_jax.train.loop import check_lengths, check_workdir, train
+from lineage_jax.train.loop import InitFromHFError, check_lengths, check_workdir, train
 from lineage_jax.train.step import make_parallel
+
+
+# TrainConfig fields that the command line sets with their own flags (and checks there)
+_FLAG_FIELDS = {"config": "--config", "init_from_hf": "--init-from-hf", "steps": "--steps", "workdir": "--workdir",
+                "data": "--data", "mesh": "--mesh"}
 
 
 def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
@@ -77,6 +82,10 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
         except ValueError as e:
             p.error(f"--mesh {args.mesh!r}: {e}")
         base["mesh"] = args.mesh
+    for pair in args.overrides:  # fields with a flag of their own are set by that flag only
+        key = pair.split("=", 1)[0].strip()
+        if key in _FLAG_FIELDS:
+            p.error(f"--set {pair}: `{key}` is set by {_FLAG_FIELDS[key]}, not --set")
     try:
         train_cfg = TrainConfig(**base)
         train_cfg, model_cfg = apply_overrides(train_cfg, base_model, args.overrides)
@@ -85,9 +94,9 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     return train_cfg, model_cfg
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str, code: int = 2) -> None:
     print(f"python -m lineage_jax.train: error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(code)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -113,6 +122,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = train(train_cfg, model_cfg, data)
     except CheckpointError as e:
         _fail(str(e))
+    except InitFromHFError as e:
+        _fail(str(e))
+    except NonFiniteStateError as e:  # the run diverged: a failure of the run, not of its arguments
+        _fail(str(e), code=1)
     ev = out["eval"]
     loss = out["metrics"].get("loss")
     msg = f"step {out['step']}: " + (f"loss {loss:.4f}" if loss is not None else "no training loss logged")

@@ -6,6 +6,7 @@ import os
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from lineage_jax.train.step import TrainState
@@ -13,6 +14,24 @@ from lineage_jax.train.step import TrainState
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be restored (incomplete, corrupted, or of another model); names its directory."""
+
+
+class NonFiniteStateError(FloatingPointError):
+    """A training state holding NaN or infinite values, refused before it is saved."""
+
+
+def first_nonfinite(tree: Any) -> Optional[str]:
+    """The path (``params/blocks/0/...``) of the first floating-point leaf of ``tree`` that holds a NaN or an
+    infinity, or None. One device reduction a leaf, fetched together."""
+    leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return None
+    ok = jax.device_get([jnp.isfinite(x).all() for _, x in leaves])
+    for (path, _), good in zip(leaves, ok):
+        if not good:
+            return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return None
 
 
 class Checkpointer:
@@ -27,9 +46,32 @@ class Checkpointer:
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
 
+    @staticmethod
+    def latest_in(directory: str) -> Optional[int]:
+        """The latest step saved in ``directory`` (None: none, or no such directory); creates nothing."""
+        options = ocp.CheckpointManagerOptions(create=False)
+        manager = ocp.CheckpointManager(os.path.abspath(directory), options=options, item_names=("state", "data"))
+        try:
+            return manager.latest_step()
+        finally:
+            manager.close()
+
     def save(self, step: int, state: TrainState, data_state: Any, *, force: bool = False) -> None:
+        """Save ``state`` as step ``step`` (the oldest checkpoints beyond ``keep`` are pruned). A state with
+        NaN or infinite values is refused (:class:`NonFiniteStateError`) and nothing is written or pruned:
+        the last finite checkpoints stay."""
+        bad = first_nonfinite(state._asdict())
+        if bad is not None:
+            raise self.diverged(step, f"the training state holds NaN or infinite values (first in {bad})")
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
                                                         data=ocp.args.JsonSave(data_state)), force=force)
+
+    def diverged(self, step: int, what: str) -> NonFiniteStateError:
+        """The :class:`NonFiniteStateError` of a run that stops at ``step`` without saving (``what`` happened);
+        it names the checkpoints that are kept."""
+        kept = sorted(self.manager.all_steps())
+        return NonFiniteStateError(f"step {step}: {what}; stopped without saving, and the checkpoints in "
+                                   f"{self.directory} are kept (steps {kept if kept else 'none'})")
 
     def restore(self, abstract_state: TrainState, step: Optional[int] = None) -> tuple[TrainState, Any]:
         step = self.latest_step() if step is None else step
@@ -40,18 +82,24 @@ class Checkpointer:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                      data=ocp.args.JsonRestore()))
         except Exception as e:  # orbax / tensorstore raise many types for unreadable or mismatched files
-            raise CheckpointError(self._unreadable(step, e)) from e
+            raise self.refusal(step, e) from e
+        bad = first_nonfinite(out["state"])  # saves refuse such states: a damaged file
+        if bad is not None:
+            raise self.refusal(step, ValueError(f"{bad} holds NaN or infinite values"))
         return TrainState(**out["state"]), out["data"]
 
-    def _unreadable(self, step: int, error: BaseException) -> str:
+    def refusal(self, step: int, error: BaseException) -> CheckpointError:
+        """The :class:`CheckpointError` for step ``step``'s checkpoint that could not be restored (``error``
+        says why): it names the checkpoint and the other steps to resume from."""
         path = os.path.join(self.directory, str(step))
         detail = " ".join(str(error).split())
         detail = detail if len(detail) <= 300 else detail[:300] + "..."
         others = [s for s in self.manager.all_steps() if s != step]
         hint = (f"the other checkpoints here are of steps {sorted(others)}: move {path} aside to resume from "
                 f"step {max(others)}") if others else "no other checkpoint is here"
-        return (f"checkpoint {path} cannot be restored: it is incomplete, corrupted, or written by a model "
-                f"with other settings ({type(error).__name__}: {detail}); nothing was changed; {hint}")
+        return CheckpointError(f"checkpoint {path} cannot be restored: it is incomplete, corrupted, or written by a "
+                               f"model with other settings ({type(error).__name__}: {detail}); nothing was changed; "
+                               f"{hint}")
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

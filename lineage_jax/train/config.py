@@ -8,6 +8,8 @@ import numbers
 import typing
 from typing import Any
 
+import numpy as np
+
 from lineage_jax.memory._validate import is_int
 from lineage_jax.models.config import ModelConfig, get_config
 
@@ -49,6 +51,15 @@ class TrainConfig:
     deterministic: bool = False
 
     def __post_init__(self):
+        for f in ("progress", "deterministic"):  # a truthy string such as "false" must not read as True
+            if not isinstance(getattr(self, f), (bool, np.bool_)):
+                raise ValueError(f"TrainConfig.{f}: must be True or False, got {getattr(self, f)!r}")
+        for f in ("config", "workdir", "optimizer", "moe_bias_rule", "data", "tokenizer", "mesh", "init_from_hf"):
+            if not isinstance(getattr(self, f), str):
+                raise ValueError(f"TrainConfig.{f}: must be a str, got {getattr(self, f)!r}")
+        for f in ("config", "workdir", "data"):
+            if not getattr(self, f).strip():
+                raise ValueError(f"TrainConfig.{f}: must be a non-empty str, got {getattr(self, f)!r}")
         for f in ("steps", "batch_size", "seq_len", "log_every", "save_every", "eval_batches", "keep_checkpoints"):
             if not is_int(getattr(self, f)) or getattr(self, f) <= 0:
                 raise ValueError(f"TrainConfig.{f}: must be a positive int, got {getattr(self, f)!r}")

@@ -129,14 +129,29 @@ def _last_logged(path: str) -> tuple[dict[str, float], dict[str, float]]:
     return last, ev
 
 
-def _trim_metrics(path: str, last_step: int) -> None:
-    """Drop metric lines past the restored step (they will be recomputed identically)."""
+def _trim_metrics(path: str, last_step: int, log: Callable[[str], None] = print) -> None:
+    """Drop metric lines past the restored step (they will be recomputed identically), and lines that are
+    not JSON records — a write cut short by a crash ends the file with one (said in the log)."""
     if not os.path.exists(path):
         return
+    keep, unreadable = [], []
     with open(path) as f:
-        lines = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= last_step]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                step = rec.get("step", 0)
+            except (ValueError, AttributeError):
+                unreadable.append(number)
+                continue
+            if step <= last_step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+    if unreadable:
+        log(f"{path}: dropped {len(unreadable)} line(s) that are not JSON records (line {unreadable[0]}"
+            f"{'' if len(unreadable) == 1 else ', ...'}; a write cut short)")
     with open(path, "w") as f:
-        f.writelines(lines)
+        f.writelines(keep)
 
 
 def evaluate(eval_step, state, batches: Iterator[dict], n: int, put: Callable = lambda b: b) -> dict[str, float]:
@@ -155,6 +170,10 @@ def evaluate(eval_step, state, batches: Iterator[dict], n: int, put: Callable = 
     return {"val_loss": loss, "val_perplexity": float(math.exp(min(loss, 50.0))), "val_accuracy": float(np.mean(accs))}
 
 
+class InitFromHFError(ValueError):
+    """``init_from_hf`` names a checkpoint whose parameters do not fit the run's model config."""
+
+
 def _init_from_hf(state, path: str, model_cfg: ModelConfig, parallel):
     """``state`` with its parameters (and router biases) replaced by a transformers checkpoint's,
     placed in the same shardings. The optimizer's initial state does not depend on the parameters'
@@ -168,8 +187,9 @@ def _init_from_hf(state, path: str, model_cfg: ModelConfig, parallel):
         want = jax.tree.map(lambda a: (a.shape, str(a.dtype)), old)
         got = jax.tree.map(lambda a: (a.shape, str(a.dtype)), new)
         if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
-            raise ValueError(f"--init-from-hf {path}: the checkpoint's {name} do not fit the run's model config "
-                             "(change only execution fields such as remat or dtype with --set)")
+            raise InitFromHFError(f"--init-from-hf {path}: the checkpoint's {name} do not fit the run's model "
+                                  "config (change only execution fields such as remat or dtype with --set); "
+                                  "nothing was written")
     return state._replace(params=params, rest=rest)
 
 
@@ -194,28 +214,34 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
     check_lengths(train_cfg, model_cfg)
     workdir = os.path.abspath(train_cfg.workdir)
     check_workdir(dataclasses.replace(train_cfg, workdir=workdir), model_cfg)
-    os.makedirs(workdir, exist_ok=True)
     parallel = make_parallel(model_cfg, train_cfg.mesh, batch_size=train_cfg.batch_size)
     put = parallel.shard_batch if parallel is not None else (lambda b: b)
     graphdef, state, tx = init_state(model_cfg, train_cfg, parallel)
     if parallel is not None:
         log(f"mesh {dict(parallel.mesh.shape)} over {parallel.mesh.size} devices"
             + (" (expert-parallel MoE)" if parallel.expert_parallel is not None else ""))
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=train_cfg.keep_checkpoints)
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    if train_cfg.init_from_hf and Checkpointer.latest_in(ckpt_dir) is None:
+        # before the workdir is written: weights that do not fit the model config change nothing
+        state = _init_from_hf(state, train_cfg.init_from_hf, model_cfg, parallel)
+        log(f"initialised from the transformers checkpoint {train_cfg.init_from_hf}")
+    os.makedirs(workdir, exist_ok=True)
+    ckpt = Checkpointer(ckpt_dir, keep=train_cfg.keep_checkpoints)
     try:
         train_iter = data("train")
         start = 0
-        if train_cfg.init_from_hf and ckpt.latest_step() is None:
-            state = _init_from_hf(state, train_cfg.init_from_hf, model_cfg, parallel)
-            log(f"initialised from the transformers checkpoint {train_cfg.init_from_hf}")
-        if ckpt.latest_step() is not None:
-            state, data_state = ckpt.restore(state)
-            train_iter.set_state(data_state)
+        step = ckpt.latest_step()
+        if step is not None:
+            state, data_state = ckpt.restore(state, step)
+            try:
+                train_iter.set_state(data_state)
+            except (ValueError, KeyError, TypeError) as e:  # the data pipeline's state is part of the checkpoint
+                raise ckpt.refusal(step, e) from e
             start = int(state.step)
             log(f"resumed {workdir} at step {start}")
         _write_configs(workdir, train_cfg, model_cfg)  # after a successful restore: a failed one changes nothing
         metrics_path = os.path.join(workdir, "metrics.jsonl")
-        _trim_metrics(metrics_path, start)
+        _trim_metrics(metrics_path, start, log)
 
         train_step, eval_step = jit_steps(graphdef, tx, train_cfg, state, parallel)
         tokens_per_step = train_cfg.batch_size * train_cfg.seq_len  # the global batch
@@ -244,6 +270,8 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
                 done = step + 1
                 if done % train_cfg.log_every == 0 or done == train_cfg.steps or preempt.requested:
                     last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    if not math.isfinite(last["loss"]):
+                        raise ckpt.diverged(done, f"the training loss is {last['loss']}")
                     now = time.perf_counter()
                     rate = (done - step_last) * tokens_per_step / max(now - t_last, 1e-9)
                     t_last, step_last = now, done

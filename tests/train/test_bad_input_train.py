@@ -1,16 +1,20 @@
 """Bad training input: clear errors naming the argument or file, and nothing lost."""
 
 import dataclasses
+import json
 import math
 import os
 import shutil
 
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
 import pytest
 
 from lineage_jax.models import get_config
 from lineage_jax.train import TrainConfig, apply_overrides, train
 from lineage_jax.train.__main__ import main as train_main
-from lineage_jax.train.checkpoint import CheckpointError, Checkpointer
+from lineage_jax.train.checkpoint import CheckpointError, Checkpointer, NonFiniteStateError, first_nonfinite
 from lineage_jax.train.step import init_state
 from tests.train.fake_data import factory
 
@@ -74,6 +78,76 @@ def test_corrupted_checkpoint_is_a_one_line_cli_error(tmp_path, capsys):
     assert os.listdir(wd / "checkpoints") == ["1"]
 
 
+def _poison(wd, step, leaf=0):
+    """Rewrite step ``step``'s checkpoint (in place, as orbax saved it) with a NaN in one float leaf of its
+    optimizer state: what damaged bytes that still parse look like."""
+    tc, mc = _cfg(wd), get_config("tiny_gpt2")
+    _, state, _ = init_state(mc, tc)
+    with Checkpointer(os.path.join(wd, "checkpoints"), async_save=False) as ckpt:
+        restored, data_state = ckpt.restore(state, step)
+    leaves, tree = jax.tree.flatten(restored.opt_state)
+    floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating) and x.size > 1]
+    i = floats[leaf]
+    leaves[i] = leaves[i].at[(0,) * leaves[i].ndim].set(jnp.nan)
+    bad = restored._replace(opt_state=jax.tree.unflatten(tree, leaves))
+    shutil.rmtree(wd / "checkpoints" / str(step))
+    with Checkpointer(os.path.join(wd, "checkpoints"), async_save=False) as ckpt:
+        ckpt.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(bad._asdict()),
+            data=ocp.args.JsonSave(data_state)))
+
+
+def test_checkpoint_with_nan_values_is_refused_and_kept_with_the_others(finished, tmp_path):
+    wd = _copy(finished, tmp_path)
+    _poison(wd, 2)
+    with pytest.raises(CheckpointError, match=r"checkpoints/2 cannot be restored.*opt_state.*NaN or infinite.*"
+                                              r"resume from step 1"):
+        _train(wd, steps=3)
+    assert sorted(os.listdir(wd / "checkpoints")) == ["1", "2"] and _restores(wd, 1)
+
+
+def test_a_diverged_run_stops_without_saving_and_keeps_its_checkpoints(tmp_path):
+    # a learning rate of 1e30 takes the parameters to ~1e29 at step 2 and the loss to NaN at step 3
+    wd = tmp_path / "run"
+    with pytest.raises(NonFiniteStateError, match=r"step 3: the training loss is nan; stopped without saving.*"
+                                                  r"kept \(steps \[1, 2\]\)"):
+        _train(wd, steps=4, lr=1e30)
+    assert sorted(os.listdir(wd / "checkpoints")) == ["1", "2"] and _restores(wd, 2)
+
+
+def test_saving_a_nonfinite_state_writes_nothing(tmp_path):
+    tc, mc = _cfg(tmp_path / "r"), get_config("tiny_gpt2")
+    _, state, _ = init_state(mc, tc)
+    assert first_nonfinite(state._asdict()) is None
+    params = jax.tree.map(lambda a: a.at[(0,) * a.ndim].set(jnp.inf) if a.ndim else a, state.params)
+    with Checkpointer(os.path.join(tmp_path, "ck"), async_save=False) as ckpt:
+        ckpt.save(1, state, {"i": 1})
+        with pytest.raises(NonFiniteStateError, match=r"step 2: the training state holds NaN or infinite values "
+                                                      r"\(first in params/"):
+            ckpt.save(2, state._replace(params=params), {"i": 2})
+        assert ckpt.manager.all_steps() == [1]
+
+
+def test_a_cut_short_metrics_line_is_dropped_on_resume(finished, tmp_path):
+    wd = _copy(finished, tmp_path)
+    with open(wd / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "accura')  # a crash in the middle of a write
+    logs = []
+    tc, mc = _cfg(wd, 3), get_config("tiny_gpt2")
+    assert train(tc, mc, factory(tc, mc), log=logs.append)["step"] == 3
+    assert any("metrics.jsonl: dropped 1 line(s) that are not JSON records (line" in m for m in logs)
+    steps = [json.loads(l)["step"] for l in (wd / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [3, 3] and 2 in steps  # step 3's training and evaluation lines, the old ones kept
+
+
+def test_a_bad_data_state_in_a_checkpoint_names_the_checkpoint(finished, tmp_path):
+    wd = _copy(finished, tmp_path)
+    (wd / "checkpoints" / "2" / "data" / "metadata").write_text('{"next_index": 2}')
+    with pytest.raises(CheckpointError, match=r"checkpoints/2 cannot be restored.*resume from step 1"):
+        _train(wd, steps=3)
+    assert sorted(os.listdir(wd / "checkpoints")) == ["1", "2"]
+
+
 def test_checkpoint_of_another_model_keeps_the_workdir_as_it_was(finished, tmp_path):
     wd = _copy(finished, tmp_path)
     os.remove(wd / "config.json")  # no record to compare against: the checkpoint itself must refuse
@@ -100,6 +174,8 @@ def test_seq_len_beyond_the_learned_positions_is_refused_before_writing(tmp_path
     ("weight_decay", -0.1), ("b1", 1.0), ("b2", math.nan), ("grad_clip", math.nan), ("grad_clip", -1.0),
     ("grad_clip", 0.0), ("moe_bias_rate", math.nan), ("warmup_steps", -1), ("warmup_steps", 2.5),
     ("eval_every", -1), ("seed", -1), ("batch_size", 2.5), ("seq_len", True), ("steps", "10"),
+    ("deterministic", "false"), ("progress", "no"), ("progress", 1), ("mesh", 3), ("workdir", None), ("data", None),
+    ("init_from_hf", 5), ("optimizer", None), ("workdir", " "), ("config", ""),
 ])
 def test_train_config_refuses_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{field}: must be"):

@@ -67,6 +67,11 @@ def test_sampling_filters():
     (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--mesh", "data=2,pipeline=2"], "--mesh"),
     (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--mesh", "data=2"], "2 devices"),
     (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--mesh", "data=x"], "--mesh"),
+    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--set", "config=tiny_kda"],
+     "`config` is set by --config, not --set"),
+    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--set", "init_from_hf=x"],
+     "`init_from_hf` is set by --init-from-hf"),
+    (["--config", "tiny_gpt2", "--steps", "1", "--workdir", "w", "--set", "steps=5"], "`steps` is set by --steps"),
 ])
 def test_bad_cli_input_is_a_clear_error(argv, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a wrongly accepted run must not write into the repository
