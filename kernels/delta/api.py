@@ -1070,7 +1070,8 @@ def default_warps_scores(gate: str, num_warps: int, low: bool = True) -> int:
 
 
 def check_chunk_size(chunk_size) -> None:
-    if not isinstance(chunk_size, int) or chunk_size < 16 or chunk_size % 16 or chunk_size & (chunk_size - 1):
+    if (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 16
+            or chunk_size % 16 or chunk_size & (chunk_size - 1)):
         raise ValueError(f"`chunk_size` must be a power of two >= 16 for the Pallas kernels, got {chunk_size!r}")
 
 
@@ -1099,7 +1100,7 @@ def _check_gate_bound(g, gate, bound):
     return bound
 
 
-def _check_inputs(fn, q, k, v, g, beta, *, gate, initial_state, segment_ids):
+def _check_inputs(fn, q, k, v, g, beta, *, gate, initial_state, segment_ids, scale=None):
     """The public entry points' array checks, naming ``fn`` and the argument. Shapes always (at trace
     time); the values of concrete gates, ``beta`` and ``initial_state`` (finite; gates <= 0) only outside
     ``jit``: traced arrays are not read."""
@@ -1115,6 +1116,11 @@ def _check_inputs(fn, q, k, v, g, beta, *, gate, initial_state, segment_ids):
     if q is None or np.ndim(q) != 4:
         raise ValueError(f"{fn}: `q` must be [B, T, H, K], got shape {None if q is None else shape(q)}")
     B, T, H, K = shape(q)
+    if T == 0:
+        raise ValueError(f"{fn}: `q` has T = 0 tokens; need at least one")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.number))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"{fn}: `scale` must be a finite number > 0 (or None for K ** -0.5), got {scale!r}")
     need("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
     if v is None or np.ndim(v) != 4 or shape(v)[:3] != (B, T, H):
         raise ValueError(f"{fn}: `v` must be [B, T, H, V] with B, T, H = {(B, T, H)} as in q, got shape "
@@ -1178,6 +1184,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     if chunk_size is None:
         chunk_size = default_chunk(target)
     check_chunk_size(chunk_size)
+    chunk_size = int(chunk_size)
     if target == "gpu" and chunk_size > GPU_MAX_CHUNK:
         raise ValueError(f"`chunk_size` must be <= {GPU_MAX_CHUNK} for the GPU kernels (their [C, C] blocks live in "
                          f"registers; larger chunks spill and take minutes to compile), got {chunk_size}")
@@ -1292,7 +1299,24 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
                     ("num_warps_solve", num_warps_solve)):
         if w is not None and w not in (1, 2, 4, 8, 16):
             raise ValueError(f"`{name}` must be 1, 2, 4, 8 or 16 (warps per program), got {w!r}")
-    if bv is None:
+    if bv is not None and (isinstance(bv, bool) or not isinstance(bv, (int, np.integer)) or bv < 1 or bv & (bv - 1)
+                           or V % bv or (target == "gpu" and bv < 16)):
+        raise ValueError(f"`bv` must be a power of two dividing the padded value dim V = {V}"
+                         f"{' and >= 16 on GPUs (matmul tiles)' if target == 'gpu' else ''}, or None, got {bv!r}")
+    if num_stages_state is not None and (isinstance(num_stages_state, bool)
+                                         or not isinstance(num_stages_state, (int, np.integer)) or num_stages_state < 1):
+        raise ValueError(f"`num_stages_state` must be a positive int (pipeline stages), got {num_stages_state!r}")
+    if state_dtype is not None:
+        try:
+            ok = jnp.dtype(state_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(F32))
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"`state_dtype` must be bfloat16, float16 or float32 (or None: the inputs' dtype), "
+                             f"got {state_dtype!r}")
+    if bv is not None:
+        bv = int(bv)
+    else:
         bv = V if target == "tpu" else (min(V, split_bv(C, low)) if state_split > 1 else default_bv(BHs, V))
     if num_warps_state is None:
         num_warps_state = default_warps_state(bv, low)
@@ -1423,7 +1447,7 @@ _DOC = """
 def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
                      target=None, interpret=None, **tuning):
     _check_inputs("chunk_delta_rule", q, k, v, None, beta, gate=None, initial_state=initial_state,
-                  segment_ids=segment_ids)
+                  segment_ids=segment_ids, scale=scale)
     return _delta(q, k, v, None, beta, gate=None, scale=scale, initial_state=initial_state,
                   segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret, **tuning)
 
@@ -1431,14 +1455,15 @@ def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, segment_i
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
                            target=None, interpret=None, **tuning):
     _check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, gate="scalar", initial_state=initial_state,
-                  segment_ids=segment_ids)
+                  segment_ids=segment_ids, scale=scale)
     return _delta(q, k, v, g, beta, gate="scalar", scale=scale, initial_state=initial_state,
                   segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret, **tuning)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
               target=None, interpret=None, gate_lower_bound=None, **tuning):
-    _check_inputs("chunk_kda", q, k, v, g, beta, gate="channel", initial_state=initial_state, segment_ids=segment_ids)
+    _check_inputs("chunk_kda", q, k, v, g, beta, gate="channel", initial_state=initial_state, segment_ids=segment_ids,
+                  scale=scale)
     return _delta(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
                   segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret,
                   gate_lower_bound=gate_lower_bound, **tuning)

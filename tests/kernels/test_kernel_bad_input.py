@@ -38,6 +38,18 @@ nan = float("nan")
     (lambda: kd.chunk_gated_delta_rule(q, k, v, g_c, beta), r"chunk_gated_delta_rule: `g` must have shape"),
     (lambda: kd.chunk_gated_delta_rule(q, k, v, None, beta), r"chunk_gated_delta_rule: `g` is required"),
     (lambda: kd.chunk_kda(q, k, v, g_s, beta), r"chunk_kda: `g` must have shape \[B, T, H, K\]"),
+    (lambda: kd.chunk_delta_rule(q[:, :0], k[:, :0], v[:, :0], beta[:, :0]), r"chunk_delta_rule: `q` has T = 0 tokens"),
+    (lambda: kd.chunk_kda(q, k, v, g_c, beta, scale=nan), r"chunk_kda: `scale` must be a finite number > 0"),
+    (lambda: kd.chunk_gated_delta_rule(q, k, v, g_s, beta, scale="x"), r"chunk_gated_delta_rule: `scale` must be"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, scale=-1.0), r"chunk_delta_rule: `scale` must be"),
+    # launch knobs
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, bv=32), r"`bv` must be a power of two dividing the padded value dim"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, bv=3), r"`bv` must be a power of two"),
+    (lambda: kd.chunk_kda(q, k, v, g_c, beta, bv=0), r"`bv` must be a power of two"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, target="gpu", bv=8), r"`bv` must be .* >= 16 on GPUs"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, num_stages_state="x"), r"`num_stages_state` must be a positive int"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, state_dtype="bogus"), r"`state_dtype` must be bfloat16, float16"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, state_dtype=jnp.int32), r"`state_dtype` must be"),
     # values, on concrete arrays
     (lambda: kd.chunk_gated_delta_rule(q, k, v, -g_s, beta), r"chunk_gated_delta_rule: `g` \(log-decay\) must be <= 0"),
     (lambda: kd.chunk_kda(q, k, v, g_c.at[0, 0, 0, 0].set(nan), beta), r"chunk_kda: `g` has 1 non-finite"),
@@ -66,6 +78,12 @@ def test_gates_at_the_bound_are_accepted(bound):
     assert kd._check_gate_bound(jnp.full((B, T, H, D), bound), "channel", bound) == bound
     with pytest.raises(ValueError, match="gate_lower_bound"):
         kd._check_gate_bound(jnp.full((B, T, H, D), bound * 1.01), "channel", bound)
+
+
+def test_a_numpy_chunk_size_is_a_chunk_size():
+    o, _ = kd.chunk_delta_rule(q, k, v, beta, chunk_size=np.int64(16))
+    ref, _ = kd.chunk_delta_rule(q, k, v, beta, chunk_size=16)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(ref))
 
 
 def test_an_empty_batch_reaches_the_kernels(monkeypatch):
