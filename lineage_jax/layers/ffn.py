@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lineage_jax.layers.common import Dense
@@ -56,7 +57,7 @@ class MLP(nnx.Module):
         V.require_positive_int("MLP", "hidden", hidden)
         V.require_bool("MLP", "use_bias", use_bias, allow_none=True,
                        none_means="the kind's default: biases with 'gelu' only")
-        self.kind = kind
+        self.kind, self.d_model = kind, d_model
         bias = (kind == "gelu") if use_bias is None else use_bias
         if kind == "gelu":
             self.up = Dense(d_model, hidden, axes=("embed", "mlp"), use_bias=bias, rngs=rngs, std=0.02)
@@ -68,6 +69,10 @@ class MLP(nnx.Module):
                           std=out_std if out_std is not None else (0.02 if kind == "gelu" else hidden ** -0.5))
 
     def __call__(self, x: Array) -> Array:
+        """``x [..., D]`` (any leading axes) -> ``[..., D]``."""
+        if np.ndim(x) < 1 or V.shape_of(x)[-1] != self.d_model:
+            raise ValueError(f"MLP: `x` must have shape [..., D] with D={self.d_model}, got {V.shape_of(x)}")
+        V.require_float("MLP", "x", x)
         if self.kind == "gelu":
             return self.down(jax.nn.gelu(self.up(x), approximate=True))
         return self.down(glu(self.kind, self.gate(x), self.up(x)))

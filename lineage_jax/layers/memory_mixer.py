@@ -274,6 +274,7 @@ class MemoryMixer(nnx.Module):
         if x.ndim != rank or x.shape[-1] != self.d_model:
             want = "[B,T,D]" if rank == 3 else "[B,D]"
             raise ValueError(f"MemoryMixer.{fn}: `x` must have shape {want} with D={self.d_model}, got {tuple(x.shape)}")
+        V.require_float(f"MemoryMixer.{fn}", "x", x)
 
     def _check_cache(self, fn: str, cache: MemoryCache, batch: int) -> None:
         """``cache`` is a :class:`MemoryCache` of this layer for ``batch`` rows: its conv history

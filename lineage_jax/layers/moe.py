@@ -372,6 +372,7 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: input `x` must be [B, T, D], got shape {x.shape}")
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoE: input `x` width {x.shape[-1]} != `d_model` {self.d_model}")
+        V.require_float("MoE", "x", x)
         b, t, d = x.shape
         expert_idx, weights, scores = self.route(x)
 

@@ -160,7 +160,7 @@ def linear_attention(
       ``(o [B, T, H, V], state)`` with the final state (``S`` or ``(S, z)``).
     """
     fn = "linear_attention"
-    _check_normalize(fn, normalize)
+    _check_normalize(fn, normalize, eps)
     if not normalize:
         return _run(fn, q, k, v, None, None, gate=_GATE_NONE, erase=False, scale=scale,
                     initial_state=_plain_state(fn, initial_state), segment_ids=segment_ids,
@@ -328,7 +328,7 @@ def linear_attention_step(
     paired = isinstance(state, (tuple, list))
     if normalize is None:
         normalize = paired
-    _check_normalize(fn, normalize)
+    _check_normalize(fn, normalize, eps)
     if not normalize:
         if paired:
             raise ValueError(f"{fn}: `state` is an (S, z) pair but `normalize=False`")
@@ -359,9 +359,12 @@ def kda_step(q_t, k_t, v_t, g_t, beta_t, state, *, scale=None) -> tuple[Array, A
 # ----------------------------------------------------------------------------
 # Linear-attention state helpers.
 # ----------------------------------------------------------------------------
-def _check_normalize(fn: str, normalize: Any) -> None:
+def _check_normalize(fn: str, normalize: Any, eps: Any = 0.0) -> None:
+    """``normalize`` is a bool; ``eps`` (the normalizer's floor) a finite number >= 0."""
     if not isinstance(normalize, (bool, jnp.bool_)):
         raise ValueError(f"{fn}: `normalize` must be a bool, got {normalize!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.number)) or not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"{fn}: `eps` must be a finite number >= 0, got {eps!r}")
 
 
 def _single_state(fn: str, name: str, state: Any) -> None:

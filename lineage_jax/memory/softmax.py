@@ -98,6 +98,8 @@ def _check_attention(fn: str, q: Array, k: Array, v: Array, causal: bool, segmen
     V.require_rank(fn, "v", v, 4, "[B,S,Hkv,V]")
     B, T, H, K = V.shape_of(q)
     _, S, Hk, _ = V.shape_of(k)
+    if T == 0 or S == 0:
+        raise ValueError(f"{fn}: `{'q' if T == 0 else 'k'}` has {'T' if T == 0 else 'S'} = 0 tokens; need at least one")
     V.require_shape(fn, "k", k, (B, S, Hk, K), "[B,S,Hkv,K] (B, K as in q)")
     if V.shape_of(v)[:3] != (B, S, Hk):
         raise ValueError(f"{fn}: `v` must have shape [B,S,Hkv,V] with B,S,Hkv = {(B, S, Hk)}, got {V.shape_of(v)}")

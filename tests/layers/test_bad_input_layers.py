@@ -205,6 +205,19 @@ def test_attention_and_mla_check_their_caches():
         m.prefill(x, cm._replace(length=jnp.zeros((1,))))
 
 
+def test_layers_check_their_input_width_and_dtype():
+    f = MLP(Dm, 16, rngs=nnx.Rngs(0))
+    assert f(x[0]).shape == (T, Dm)  # any leading axes
+    for call, match in [
+        (lambda: f(x[..., :5]), r"MLP: `x` must have shape \[..., D\] with D=8, got \(1, 8, 5\)"),
+        (lambda: f(x.astype(jnp.int32)), r"MLP: `x` must be a floating-point array"),
+        (lambda: moe()(x.astype(jnp.int32)), r"MoE: `x` must be a floating-point array"),
+        (lambda: mixer()(x.astype(jnp.int32)), r"MemoryMixer.__call__: `x` must be a floating-point array"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
 def test_caches_are_floating():
     # an integer cache would round every stored key, latent or conv input silently
     a, m, mm_ = Attention(Dm, num_heads=2, head_dim=4, rngs=nnx.Rngs(0)), mla(), mixer()

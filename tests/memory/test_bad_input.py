@@ -49,6 +49,9 @@ def kv_cache(**changes):
     (lambda: M.linear_attention_step(qt, kt, vt, None, normalize="no"), "linear_attention_step: `normalize` must"),
     (lambda: M.linear_attention_step(qt, kt, jnp.zeros((2, H, D)), None, normalize=True),
      r"`v_t` must have shape \[B,H,V\] with B,H = \(1, 2\), got \(2, 2, 4\)"),
+    (lambda: M.linear_attention(q, k, v, normalize=True, eps=nan), "linear_attention: `eps` must be a finite number"),
+    (lambda: M.linear_attention(q, k, v, normalize=True, eps="x"), "linear_attention: `eps` must be"),
+    (lambda: M.linear_attention_step(qt, kt, vt, None, normalize=True, eps=-1.0), "linear_attention_step: `eps`"),
     # KDA's gate bound holds on every backend
     (lambda: M.kda(q, k, v, g_c * 100, beta, gate_lower_bound=-1.0, backend="xla"),
      "kda: `g` .* below `gate_lower_bound`"),
@@ -67,6 +70,8 @@ def test_rules_name_the_argument(call, match):
     (lambda: M.reference_attention(q, k[:, :6], v[:, :6]), "reference_attention: causal attention needs"),
     (lambda: M.softmax_attention(q, k, v, causal="no"), "softmax_attention: `causal` must be a bool"),
     (lambda: M.reference_attention(q, k, v, causal=1), "reference_attention: `causal` must be a bool"),
+    (lambda: M.softmax_attention(q[:, :0], k[:, :0], v[:, :0]), "softmax_attention: `q` has T = 0 tokens"),
+    (lambda: M.softmax_attention(q, k[:, :0], v[:, :0], causal=False), "softmax_attention: `k` has S = 0 tokens"),
 ])
 def test_attention_checks_are_shared(call, match):
     with pytest.raises(ValueError, match=match):
