@@ -109,6 +109,34 @@ def _float(hf: dict, *names: str, default=_MISSING, where: str = ""):
     return _number(hf, names, default, float, where)
 
 
+def _count(hf: dict, *names: str, default=_MISSING, where: str = ""):
+    """A size (layers, heads, widths, positions): an integer >= 1."""
+    value = _int(hf, *names, default=default, where=where)
+    present = next((n for n in names if hf.get(n) is not None), names[0])
+    _require(value is None or value >= 1, where + present, f"must be >= 1, got {value!r}")
+    return value
+
+
+def _bool(hf: dict, name: str, default: bool, where: str = "") -> bool:
+    """A flag: a JSON ``true`` / ``false`` (a string such as "false" is refused, not read as True)."""
+    value = hf.get(name)
+    if value is None:
+        return default
+    _require(isinstance(value, bool), where + name, f"must be true or false, got {value!r}")
+    return value
+
+
+def _model(**fields) -> ModelConfig:
+    """The ModelConfig a config.json describes; what the Decoder cannot build (e.g. heads that do not divide
+    the width) is an :class:`HFError` that says it comes from config.json."""
+    try:
+        return ModelConfig(**fields)
+    except HFError:
+        raise
+    except ValueError as e:
+        raise HFError(f"config.json describes a model the Decoder cannot build: {e}") from None
+
+
 def _section(hf: dict, *names: str) -> tuple[str, dict]:
     """The first of ``names`` set in ``hf`` (a nested object, e.g. ``rope_parameters``) and its dict."""
     for name in names:
@@ -197,10 +225,14 @@ def _rope_fields(hf: dict, qk_head_dim: int) -> dict:
     out.update(rope_scaling="yarn", rope_factor=factor, rope_original_max_len=orig,
                rope_beta_fast=_float(params, "beta_fast", where=where, default=0.0) or 32.0,
                rope_beta_slow=_float(params, "beta_slow", where=where, default=0.0) or 1.0,
-               rope_attention_factor=float(attention_factor), rope_truncate=bool(params.get("truncate", True)))
+               rope_attention_factor=float(attention_factor), rope_truncate=_bool(params, "truncate", True, where=where))
     if mscale_all:
         out["mla_softmax_scale"] = qk_head_dim ** -0.5 * yarn_mscale(factor, mscale_all) ** 2
     return out
+
+
+def _with_dtype(cfg: ModelConfig, dtype: Optional[str]) -> ModelConfig:
+    return cfg if dtype is None else cfg.replace(dtype=dtype)
 
 
 def config_from_hf(hf: dict, *, dtype: Optional[str] = None) -> tuple[ModelConfig, str]:
@@ -211,29 +243,28 @@ def config_from_hf(hf: dict, *, dtype: Optional[str] = None) -> tuple[ModelConfi
     """
     family = family_of_hf(hf)
     act = _get(hf, "hidden_act", "activation_function")
-    extra = {} if dtype is None else {"dtype": dtype}
     if family == "gpt2":
         _require(act in ("gelu_new", "gelu_pytorch_tanh"), "activation_function",
                  f"must be 'gelu_new' (tanh GELU), got {act!r}")
         for field, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                             ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
             _require(hf.get(field, want) == want, field, f"must be {want}, got {hf.get(field)!r}")
-        d = _int(hf, "n_embd")
-        cfg = ModelConfig(name="hf_gpt2", vocab_size=_int(hf, "vocab_size"), d_model=d,
-                          pattern="S" * _int(hf, "n_layer"), num_heads=_int(hf, "n_head"), positions="learned",
-                          max_seq_len=_int(hf, "n_positions"), norm="layernorm",
-                          norm_eps=_float(hf, "layer_norm_epsilon", default=1e-5),
-                          tie_embeddings=bool(hf.get("tie_word_embeddings", True)), attn_bias=True,
-                          ffn_kind="gelu", ffn_hidden=_int(hf, "n_inner", default=0) or 4 * d, **extra)
-        return cfg, family
+        d = _count(hf, "n_embd")
+        cfg = _model(name="hf_gpt2", vocab_size=_count(hf, "vocab_size"), d_model=d,
+                     pattern="S" * _count(hf, "n_layer"), num_heads=_count(hf, "n_head"), positions="learned",
+                     max_seq_len=_count(hf, "n_positions"), norm="layernorm",
+                     norm_eps=_float(hf, "layer_norm_epsilon", default=1e-5),
+                     tie_embeddings=_bool(hf, "tie_word_embeddings", True), attn_bias=True,
+                     ffn_kind="gelu", ffn_hidden=_int(hf, "n_inner", default=0) or 4 * d)
+        return _with_dtype(cfg, dtype), family
     _require(act == "silu", "hidden_act", f"must be 'silu', got {act!r}")
-    n = _int(hf, "num_hidden_layers")
+    n = _count(hf, "num_hidden_layers")
     eps = _float(hf, "rms_norm_eps", default=1e-6)
-    common = dict(vocab_size=_int(hf, "vocab_size"), d_model=_int(hf, "hidden_size"),
-                  num_heads=_int(hf, "num_attention_heads"), norm="rmsnorm", norm_eps=eps,
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)), ffn_kind="swiglu",
-                  ffn_hidden=_int(hf, "intermediate_size"),
-                  max_seq_len=_int(hf, "max_position_embeddings", "model_max_length", default=4096))
+    common = dict(vocab_size=_count(hf, "vocab_size"), d_model=_count(hf, "hidden_size"),
+                  num_heads=_count(hf, "num_attention_heads"), norm="rmsnorm", norm_eps=eps,
+                  tie_embeddings=_bool(hf, "tie_word_embeddings", False), ffn_kind="swiglu",
+                  ffn_hidden=_count(hf, "intermediate_size"),
+                  max_seq_len=_count(hf, "max_position_embeddings", "model_max_length", default=4096))
     if family == "kimi_linear":
         _, lin = _section(hf, "linear_attn_config")
         types = hf.get("layer_types")
@@ -262,17 +293,17 @@ def config_from_hf(hf: dict, *, dtype: Optional[str] = None) -> tuple[ModelConfi
         first = _first_dense(hf, n, 1)
         head_dim = _int(lin, "head_dim", where="linear_attn_config.", default=None)
         head_dim = _int(hf, "linear_head_dim", default=128) if head_dim is None else head_dim
-        cfg = ModelConfig(name="hf_kimi_linear", pattern=pattern, head_dim=head_dim,
-                          conv_size=conv, kda_gate="softplus", kda_output_gate="lowrank", mixer_norm_eps=eps,
-                          mla_rope=False, **_mla_fields(hf), **_moe_fields(hf, n, first), **common, **extra)
-        return cfg, family
+        cfg = _model(name="hf_kimi_linear", pattern=pattern, head_dim=head_dim,
+                     conv_size=conv, kda_gate="softplus", kda_output_gate="lowrank", mixer_norm_eps=eps,
+                     mla_rope=False, **_mla_fields(hf), **_moe_fields(hf, n, first), **common)
+        return _with_dtype(cfg, dtype), family
     # deepseek_v3
     mla = _mla_fields(hf)
     first = _first_dense(hf, n, 3)
-    cfg = ModelConfig(name="hf_deepseek_v3", pattern="M" * n, head_dim=mla["v_head_dim"], mla_rope=True,
-                      **_rope_fields(hf, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]), **mla,
-                      **_moe_fields(hf, n, first), **common, **extra)
-    return cfg, family
+    cfg = _model(name="hf_deepseek_v3", pattern="M" * n, head_dim=mla["v_head_dim"], mla_rope=True,
+                 **_rope_fields(hf, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]), **mla,
+                 **_moe_fields(hf, n, first), **common)
+    return _with_dtype(cfg, dtype), family
 
 
 def family_of(cfg: ModelConfig) -> str:
@@ -419,17 +450,22 @@ class Checkpoint:
                           f"(handled: {', '.join(_FLOAT_DTYPES)}; dequantize FP8 checkpoints first)")
 
     def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
-        """Tensor ``name`` as float32 numpy (only ``rows`` of its first axis when given)."""
+        """Tensor ``name`` as float32 numpy (only ``rows`` of its first axis when given); a tensor holding NaN
+        or infinite values is an :class:`HFError` naming it (a damaged file, or weights that diverged)."""
         fname, dt, shape = self.headers[name]
         full = os.path.join(self.path, fname)
         if dt == "BF16":
-            return _read_raw(full, name, rows).astype(np.float32)
-        if fname not in self._open:
-            from safetensors import safe_open
-            self._open[fname] = safe_open(full, framework="numpy")
-        f = self._open[fname]
-        a = f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
-        return np.asarray(a, dtype=np.float32)
+            a = _read_raw(full, name, rows).astype(np.float32)
+        else:
+            if fname not in self._open:
+                from safetensors import safe_open
+                self._open[fname] = safe_open(full, framework="numpy")
+            f = self._open[fname]
+            a = np.asarray(f.get_tensor(name) if rows is None else f.get_slice(name)[rows], dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise HFError(f"{full}: tensor {name!r} holds {int(a.size - np.isfinite(a).sum())} NaN or infinite "
+                          "values")
+        return a
 
     def close(self) -> None:
         """Drop the open file handles."""

@@ -41,6 +41,10 @@ def _config(family="gpt2") -> dict:
     ("layer_norm_epsilon", "x", "`layer_norm_epsilon` must be a finite number"),
     ("n_layer", None, "`n_layer` is missing"),
     ("architectures", "GPT2LMHeadModel", "`architectures` must be a list"),
+    ("n_layer", 0, "`n_layer` must be >= 1, got 0"),
+    ("n_head", -1, "`n_head` must be >= 1"),
+    ("n_positions", -1, "`n_positions` must be >= 1"),
+    ("tie_word_embeddings", "false", "`tie_word_embeddings` must be true or false, got 'false'"),
 ])
 def test_config_field_of_the_wrong_type_is_named(field, value, needle):
     cfg = _config()
@@ -49,6 +53,16 @@ def test_config_field_of_the_wrong_type_is_named(field, value, needle):
         cfg["model_type"] = None
     with pytest.raises(hf.HFError, match="config.json: " + needle.replace("[", r"\[")):
         hf.config_from_hf(cfg)
+
+
+def test_config_that_the_decoder_cannot_build_says_it_comes_from_config_json():
+    cfg = _config()
+    cfg["n_head"] = 3
+    with pytest.raises(hf.HFError, match=r"config.json describes a model the Decoder cannot build: "
+                                         r"ModelConfig.num_heads"):
+        hf.config_from_hf(cfg)
+    with pytest.raises(ValueError, match=r"^ModelConfig.dtype"):  # the caller's argument, not the file's
+        hf.config_from_hf(_config(), dtype="float8")
 
 
 def test_config_field_missing_is_named():
@@ -148,6 +162,20 @@ def test_tensor_bytes_that_do_not_match_its_shape(tmp_path):
         return h
     _rewrite_header(os.path.join(d, "model.safetensors"), edit)
     with pytest.raises(hf.HFError, match=r"needs \d+ bytes, the header gives it \d+"):
+        hf.load(d)
+
+
+def test_a_tensor_with_nan_values_is_named(tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    d = _copy(tmp_path)
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    name = sorted(tensors)[-1]
+    tensors[name] = tensors[name].copy()
+    tensors[name].flat[3] = np.nan
+    save_file(tensors, path)
+    with pytest.raises(hf.HFError, match=rf"model.safetensors: tensor '{name}' holds 1 NaN or infinite values"):
         hf.load(d)
 
 
