@@ -14,7 +14,7 @@
 #   SPOT              1 to request spot capacity       (default: 0)
 #   REMOTE_DIR        checkout path on the workers     (default: lineage_jax)
 #
-# Example (the README's): ZONE=us-east5-a ACCELERATOR_TYPE=v5p-32 RUNTIME_VERSION=v2-alpha-tpuv5 \
+# Example: ZONE=us-east5-a ACCELERATOR_TYPE=v5p-32 RUNTIME_VERSION=v2-alpha-tpuv5 \
 #   launch/tpu_vm.sh all -- --config tiny_k3 --steps 1000 --workdir runs/k3 --mesh fsdp=4,expert=4
 set -euo pipefail
 

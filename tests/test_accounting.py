@@ -7,7 +7,7 @@ from lineage_jax.models import get_config
 
 
 def test_gpt2_small_exact():
-    assert A.param_counts("gpt2_small")["total"] == 124_475_904
+    assert A.param_counts("gpt2_small") == {"total": 124_475_904, "active": 123_689_472}  # active: no position table
     assert A.cache_bytes_per_token("gpt2_small", dtype_bytes=2) == 36_864
     assert A.state_bytes("gpt2_small") == 0
 
@@ -16,6 +16,9 @@ def test_kimi_linear_48b_a3b():
     c = A.param_counts("kimi_linear_48b_a3b")
     assert abs(c["total"] / 1e9 - 49.1) < 0.1
     assert abs(c["active"] / 1e9 - 3.1) < 0.05
+    assert (round(c["total"] / 1e9, 2), round(c["active"] / 1e9, 2)) == (49.12, 3.11)  # docs/guide.md's table
+    assert A.cache_bytes_per_token("kimi_linear_48b_a3b", dtype_bytes=2) == 8_064  # 7 MLA layers × (512 + 64) × 2
+    assert A.state_bytes("kimi_linear_48b_a3b", dtype_bytes=4) == 41_943_040  # 41.9 MB
 
 
 def test_kimi_k3():
