@@ -8,6 +8,7 @@ defaults and the measurements behind them.
 """
 
 from .api import (  # noqa: F401
+    GPU_MAX_CHUNK,
     MIN_GATE_BOUND,
     RESIDUALS,
     chunk_delta_rule,

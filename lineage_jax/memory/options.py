@@ -38,7 +38,7 @@ class MemoryOptions:
     Attributes:
       backend: ``"xla"`` (the chunked form in :mod:`lineage_jax.memory.core`), ``"pallas"`` (the
         ``kernels.delta`` kernels; interpret mode on a CPU) or ``"auto"`` (Pallas on GPUs and TPUs
-        for chunked calls with float32 arithmetic, XLA otherwise).
+        for chunked calls with float32 arithmetic at a chunk size the kernels take, XLA otherwise).
       chunk_size: tokens per chunk; ``None`` is each backend's own (64 for XLA, the kernels'
         tile-tuned chunk for Pallas). The kernels take powers of two >= 16 (on GPUs up to 64).
       gate_lower_bound: KDA only — a promise that every log-decay is ``>= gate_lower_bound``, in
@@ -80,8 +80,9 @@ class MemoryOptions:
         """Whether a call of ``fn`` in ``mode`` runs the Pallas kernels — the one place that decides."""
         if self.backend == "xla":
             return False
-        if self.backend == "auto":
-            use = jax.default_backend() != "cpu" and mode == "chunked" and compute_dtype == jnp.float32
+        if self.backend == "auto":  # where the kernels cannot take the chunk size, XLA's chunked form runs
+            use = (jax.default_backend() != "cpu" and mode == "chunked" and compute_dtype == jnp.float32
+                   and (self.chunk_size is None or _kernels_take(self.chunk_size)))
         elif mode != "chunked":
             raise ValueError(f"{fn}: `backend='pallas'` runs the chunked form; got mode={mode!r}")
         else:
@@ -99,6 +100,17 @@ class MemoryOptions:
             return False
         platform = jax.default_backend()
         return platform == "gpu" or (self.backend == "pallas" and platform == "cpu")
+
+
+def _kernels_take(chunk_size: int) -> bool:
+    """Whether the kernels on this backend run chunks of ``chunk_size`` tokens (on GPUs at most
+    ``GPU_MAX_CHUNK``)."""
+    from lineage_jax import _kernels
+    try:
+        _kernels.check_chunk_size(chunk_size)
+    except ValueError:
+        return False
+    return jax.default_backend() != "gpu" or chunk_size <= _kernels.GPU_MAX_CHUNK
 
 
 def _check_kernel_chunk(fn: str, chunk_size: int) -> None:

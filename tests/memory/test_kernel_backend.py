@@ -35,6 +35,23 @@ def test_backend_errors():
         M.kda(q, k, v, jnp.asarray(x["g"]), beta, backend="pallas", mode="recurrent")
 
 
+def test_auto_runs_xla_at_a_chunk_size_the_kernels_do_not_take(monkeypatch):
+    """On an accelerator "auto" picks the kernels for float32 chunked calls, except at a chunk size they do not
+    run (not a power of two >= 16; on GPUs above GPU_MAX_CHUNK), where it runs XLA's form instead of failing."""
+    from lineage_jax import _kernels
+    opts = M.MemoryOptions(backend="auto", chunk_size=24)
+    assert not opts.use_pallas("kda", "chunked", jnp.float32)
+    for platform in ("gpu", "tpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda platform=platform: platform)
+        assert M.MemoryOptions(backend="auto").use_pallas("kda", "chunked", jnp.float32)
+        assert M.MemoryOptions(backend="auto", chunk_size=32).use_pallas("kda", "chunked", jnp.float32)
+        assert not opts.use_pallas("kda", "chunked", jnp.float32)
+        big = M.MemoryOptions(backend="auto", chunk_size=2 * _kernels.GPU_MAX_CHUNK)
+        assert big.use_pallas("kda", "chunked", jnp.float32) == (platform == "tpu")
+    with pytest.raises(ValueError, match="MemoryOptions: `chunk_size` must be a power of two"):  # asked for
+        M.MemoryOptions(backend="pallas", chunk_size=24)
+
+
 def test_residual_names_agree():
     """The remat policy names the kernels' residuals through lineage_jax.memory (no import cycle)."""
     assert RESIDUALS == DELTA_RESIDUALS
