@@ -1369,6 +1369,21 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     return s, (qq, kk, vv, gg, bb, doc, h0)
 
 
+def _tuning_knobs() -> frozenset:
+    """The launch knobs ``**tuning`` takes: ``_prepare``'s keywords after the public ones."""
+    import inspect
+    public = {"q", "k", "v", "g", "beta", "gate", "scale", "initial_state", "segment_ids", "chunk_size", "target",
+              "interpret", "gate_lower_bound"}
+    return frozenset(inspect.signature(_prepare).parameters) - public
+
+
+def _check_tuning(fn: str, tuning: dict) -> None:
+    unknown = sorted(set(tuning) - _tuning_knobs())
+    if unknown:
+        raise TypeError(f"{fn}: unknown keyword {unknown[0]!r}; the launch knobs are "
+                        f"{', '.join(sorted(_tuning_knobs()))}")
+
+
 def _delta(q, k, v, g, beta, **kw):
     B, T, H, K0 = q.shape
     V0 = v.shape[-1]
@@ -1446,6 +1461,7 @@ _DOC = """
 
 def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
                      target=None, interpret=None, **tuning):
+    _check_tuning("chunk_delta_rule", tuning)
     _check_inputs("chunk_delta_rule", q, k, v, None, beta, gate=None, initial_state=initial_state,
                   segment_ids=segment_ids, scale=scale)
     return _delta(q, k, v, None, beta, gate=None, scale=scale, initial_state=initial_state,
@@ -1454,6 +1470,7 @@ def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, segment_i
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
                            target=None, interpret=None, **tuning):
+    _check_tuning("chunk_gated_delta_rule", tuning)
     _check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, gate="scalar", initial_state=initial_state,
                   segment_ids=segment_ids, scale=scale)
     return _delta(q, k, v, g, beta, gate="scalar", scale=scale, initial_state=initial_state,
@@ -1462,6 +1479,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
               target=None, interpret=None, gate_lower_bound=None, **tuning):
+    _check_tuning("chunk_kda", tuning)
     _check_inputs("chunk_kda", q, k, v, g, beta, gate="channel", initial_state=initial_state, segment_ids=segment_ids,
                   scale=scale)
     return _delta(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,

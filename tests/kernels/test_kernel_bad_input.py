@@ -80,6 +80,15 @@ def test_gates_at_the_bound_are_accepted(bound):
         kd._check_gate_bound(jnp.full((B, T, H, D), bound * 1.01), "channel", bound)
 
 
+def test_a_misspelt_knob_is_named_by_the_entry_point():
+    with pytest.raises(TypeError, match=r"chunk_kda: unknown keyword 'mode'; the launch knobs are .*num_warps"):
+        kd.chunk_kda(q, k, v, g_c, beta, mode="chunked")
+    with pytest.raises(TypeError, match=r"chunk_delta_rule: unknown keyword 'num_warp'"):
+        kd.chunk_delta_rule(q, k, v, beta, num_warp=4)
+    with pytest.raises(TypeError, match=r"chunk_gated_delta_rule: unknown keyword 'gate_lower_bound'"):
+        kd.chunk_gated_delta_rule(q, k, v, g_s, beta, gate_lower_bound=-5.0)  # KDA's alone
+
+
 def test_a_numpy_chunk_size_is_a_chunk_size():
     o, _ = kd.chunk_delta_rule(q, k, v, beta, chunk_size=np.int64(16))
     ref, _ = kd.chunk_delta_rule(q, k, v, beta, chunk_size=16)
