@@ -317,6 +317,19 @@ def test_scanned_decoder_refuses_a_full_cache(pattern):
         m.prefill(jnp.arange(T + 1, dtype=jnp.int32)[None], m.init_cache(1, T))
 
 
+@pytest.mark.parametrize("pattern", ["SS", "SK"])
+def test_jitted_steps_past_a_full_cache_give_nan_logits(pattern):
+    # under jit the lengths are traced and cannot be refused: the overflowing rows' logits are NaN, the others not
+    from lineage_jax.models.decoder import inference_steps
+    m = Decoder(config(pattern=pattern, chunk_size=16), rngs=nnx.Rngs(0))
+    st, prefill, decode = inference_steps(m)
+    c = m.init_cache(2, T)._replace(length=jnp.asarray([0, 1], jnp.int32))
+    logits, c = prefill(st, jnp.concatenate([tok, tok]), c)  # row 1 holds T + 1 tokens in T slots
+    assert bool(jnp.isfinite(logits[0]).all()) and bool(jnp.isnan(logits[1]).all())
+    logits, _ = decode(st, tok[:, :2].reshape(2), c)
+    assert bool(jnp.isnan(logits).all())  # both rows are past their capacity now
+
+
 def test_fixed_state_decoder_has_no_capacity():
     m = Decoder(config(pattern="KK", chunk_size=16), rngs=nnx.Rngs(0))
     _, c = m.prefill(tok, m.init_cache(1, 1))  # the states do not grow: max_len bounds nothing
