@@ -243,20 +243,42 @@ def jit_steps(graphdef, tx, train_cfg: TrainConfig, state: TrainState, parallel:
 def next_token_loss(model: nnx.Module, batch: dict) -> tuple[Array, dict]:
     """Mean next-token cross-entropy of ``model.forward``.
 
-    ``batch``: ``tokens [B, T]`` int; optional ``segment_ids [B, T]`` (packed documents: no
-    prediction across a boundary) and ``loss_mask [B, T]`` (1 where the *target* token counts).
+    ``batch`` in either of two forms:
+
+    * ``tokens [B, T]`` int, optional ``segment_ids [B, T]`` (packed documents: no prediction across a
+      boundary) and ``loss_mask [B, T]`` (1 where the *target* token counts): each token predicts the next;
+    * the data pipeline's (``lineage_jax.data``): ``tokens``, ``targets [B, T]`` (the token each position
+      predicts) and optional ``mask [B, T]`` (1 where position ``t``'s prediction counts) and ``segment_ids``
+      — what :func:`loss_fn` takes.
+
+    A batch mixing the two (``loss_mask`` with ``targets`` or ``mask``) is refused.
     Returns ``(loss, aux)`` with ``aux = {"moe": router stats, "num_tokens": predicted tokens}``.
     """
     tokens = batch["tokens"]
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"next_token_loss: `batch['tokens']` must be an integer array [B, T], got "
                          f"{tokens.dtype}{tuple(tokens.shape)}")
-    if tokens.shape[1] < 2:
+    pipeline = "targets" in batch or "mask" in batch
+    if pipeline and "loss_mask" in batch:
+        raise ValueError("next_token_loss: `batch` holds `loss_mask` (the next-token form) and `targets` / `mask` "
+                         "(the data pipeline's); give one form")
+    if pipeline and "targets" not in batch:
+        raise ValueError("next_token_loss: `batch['mask']` is the data pipeline's and needs `batch['targets']`")
+    if not pipeline and tokens.shape[1] < 2:
         raise ValueError(f"next_token_loss: `batch['tokens']` needs T >= 2 to predict a next token, got {tokens.shape}")
     segment_ids = batch.get("segment_ids")
     tokens = with_logical_constraint(tokens, ("batch", "seq"))
     logits, aux = model.forward(tokens, segment_ids=segment_ids)
-    logits = with_logical_constraint(logits, ("batch", "seq", "vocab"))[:, :-1].astype(jnp.float32)
+    logits = with_logical_constraint(logits, ("batch", "seq", "vocab"))
+    if pipeline:
+        targets = batch["targets"]
+        if tuple(targets.shape) != tuple(tokens.shape):
+            raise ValueError(f"next_token_loss: `batch['targets']` must have the shape of `tokens` {tuple(tokens.shape)}, "
+                             f"got {tuple(targets.shape)}")
+        mask = batch.get("mask", jnp.ones(targets.shape, jnp.float32)).astype(jnp.float32)
+        loss, _ = cross_entropy(logits, targets, mask)
+        return loss, {"moe": aux.get("moe", ()), "num_tokens": jnp.sum(mask)}
+    logits = logits[:, :-1].astype(jnp.float32)
     targets = tokens[:, 1:]
     mask = jnp.ones(targets.shape, jnp.float32)
     if segment_ids is not None:

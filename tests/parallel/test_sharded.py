@@ -42,6 +42,26 @@ def test_next_token_loss_masks_boundaries_and_targets():
     np.testing.assert_allclose(float(loss), np.mean(terms), rtol=1e-6)
 
 
+def test_next_token_loss_takes_the_pipelines_batches_as_loss_fn_does():
+    """A data-pipeline batch (``targets``, ``mask`` at the input position) gives loss_fn's loss: its mask is
+    not dropped."""
+    from lineage_jax.train.step import cross_entropy
+    rng = np.random.default_rng(1)
+    B, T, V = 2, 6, 7
+    logits = jnp.asarray(rng.normal(size=(B, T, V)).astype(np.float32))
+    tokens = jnp.asarray(rng.integers(0, V, size=(B, T)).astype(np.int32))
+    targets = jnp.asarray(rng.integers(0, V, size=(B, T)).astype(np.int32))
+    mask = jnp.asarray((rng.uniform(size=(B, T)) < 0.4).astype(np.float32))
+    loss, aux = next_token_loss(FixedLogits(logits), {"tokens": tokens, "targets": targets, "mask": mask})
+    want, _ = cross_entropy(logits, targets, mask)
+    assert float(loss) == float(want) and int(aux["num_tokens"]) == int(mask.sum())
+    for batch, needle in [({"tokens": tokens, "targets": targets, "loss_mask": mask}, "give one form"),
+                          ({"tokens": tokens, "mask": mask}, "needs `batch\['targets'\]`"),
+                          ({"tokens": tokens, "targets": targets[:, :3]}, "`batch\['targets'\]` must have the shape")]:
+        with pytest.raises(ValueError, match=needle):
+            next_token_loss(FixedLogits(logits), batch)
+
+
 @pytest.mark.parametrize("tokens, needle", [
     (jnp.zeros((2, 4), jnp.float32), "integer"),
     (jnp.zeros((2, 1), jnp.int32), "T >= 2"),
