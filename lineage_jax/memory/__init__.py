@@ -20,6 +20,8 @@ from lineage_jax.memory.rules import (
     kda_step,
     linear_attention,
     linear_attention_step,
+    update_rule,
+    update_rule_step,
 )
 from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
 from lineage_jax.memory.softmax import (
@@ -55,4 +57,6 @@ __all__ = [
     "softmax_attention",
     "softmax_attention_extend",
     "softmax_attention_step",
+    "update_rule",
+    "update_rule_step",
 ]

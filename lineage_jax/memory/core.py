@@ -33,7 +33,7 @@ This module implements the rule once:
 Internal layout is ``[B, T, H, D]`` for sequences and ``[B, H, K, V]`` for the
 state; the gate ``g`` is ``None`` (no decay), ``[..., 1]`` (one scalar per head)
 or ``[..., K]`` (per channel). All arithmetic runs in the compute dtype chosen by
-the caller (float32 for float32/bf16 inputs, float64 under x64).
+the caller (float32 for float32/bf16 inputs, float64 for float64 inputs under x64).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Public fixed-state memories: linear attention, DeltaNet, Gated DeltaNet, KDA.
 
 Each public function is the same rule (:mod:`lineage_jax.memory.core`) with one
-edit — which gate, whether to erase — plus argument checks. Conventions
+edit — which gate, whether to erase — plus argument checks; :func:`update_rule` takes those
+switches as arguments (every setting, named or not, e.g. GLA). Conventions
 (docs/design.md):
 
-* sequences ``[B, T, H, D]``; state ``[B, H, K, V]`` in float32 (float64 under x64);
+* sequences ``[B, T, H, D]``; state ``[B, H, K, V]`` in float32 (float64 for float64 inputs under x64);
 * ``q`` is multiplied by ``scale`` (default ``K ** -0.5``) before use;
 * gates are natural-log decays ``g <= 0``: ``[B, T, H]`` (one scalar per head,
   Gated DeltaNet) or ``[B, T, H, K]`` (per channel, KDA);
@@ -357,6 +358,57 @@ def kda_step(q_t, k_t, v_t, g_t, beta_t, state, *, scale=None) -> tuple[Array, A
 
 
 # ----------------------------------------------------------------------------
+# The update equation with its switches given directly.
+# ----------------------------------------------------------------------------
+GATES = (_GATE_NONE, _GATE_SCALAR, _GATE_CHANNEL)
+
+
+def _switches(fn: str, gate: Any, erase: Any, g: Any, beta: Any, g_name: str, beta_name: str) -> bool:
+    if gate not in GATES:
+        raise ValueError(f"{fn}: `gate` must be one of {GATES}, got {gate!r}")
+    erase = V.require_bool(fn, "erase", erase)
+    if (g is None) != (gate == _GATE_NONE):
+        raise ValueError(f"{fn}: `{g_name}` is given where `gate` is 'none', or missing for gate={gate!r}"
+                         if g is not None else f"{fn}: gate={gate!r} needs `{g_name}`")
+    if erase and beta is None:
+        raise ValueError(f"{fn}: `erase=True` needs `{beta_name}` (the write strength)")
+    return erase
+
+
+def update_rule(q: Array, k: Array, v: Array, *, g: Optional[Array] = None, beta: Optional[Array] = None,
+                gate: str = "none", erase: bool = False, scale: Optional[float] = None,
+                initial_state: Optional[Array] = None, segment_ids: Optional[Array] = None, mode: str = "chunked",
+                chunk_size: Optional[int] = None, backend: Optional[str] = None,
+                options: Optional[MemoryOptions] = None) -> tuple[Array, Array]:
+    """``S_t = Diag(α_t) S_{t-1} + k_tᵀ β_t (v_t − e · k_t Diag(α_t) S_{t-1})``, ``o_t = q_t S_t``, with the
+    equation's switches as arguments: ``gate`` (``"none"``: α = 1; ``"scalar"``: ``g [B, T, H]``, one log-decay
+    per head; ``"channel"``: ``g [B, T, H, K]``, one per key channel), ``erase`` (e = 1 or 0) and ``beta``
+    (``[B, T, H]``; None: 1, without erasing only). The named rules are settings of it: DeltaNet is
+    ``erase=True``, Gated DeltaNet adds ``gate="scalar"``, KDA ``gate="channel"``; unnormalized linear attention
+    is the default; ``gate="channel", erase=False`` is GLA (gated linear attention), a rule the library does
+    not name. Every mode, chunk size and backend of the named rules applies (the Pallas kernels run the erasing
+    rules; the others run XLA's form).
+
+    Returns:
+      ``(o [B, T, H, V], S [B, H, K, V])``.
+    """
+    fn = "update_rule"
+    _switches(fn, gate, erase, g, beta, "g", "beta")
+    return _run(fn, q, k, v, g, beta, gate=gate, erase=bool(erase), scale=scale, initial_state=initial_state,
+                segment_ids=segment_ids, mode=mode, chunk_size=chunk_size, backend=backend, options=options)
+
+
+def update_rule_step(q_t: Array, k_t: Array, v_t: Array, state: Optional[Array], *, g_t: Optional[Array] = None,
+                     beta_t: Optional[Array] = None, gate: str = "none", erase: bool = False,
+                     scale: Optional[float] = None) -> tuple[Array, Array]:
+    """One token of :func:`update_rule`: ``q_t, k_t [B, H, K]``, ``v_t [B, H, V]``, ``g_t`` ``[B, H]`` (scalar)
+    or ``[B, H, K]`` (channel), ``beta_t [B, H]``; ``state`` ``[B, H, K, V]`` (None: zeros)."""
+    fn = "update_rule_step"
+    _switches(fn, gate, erase, g_t, beta_t, "g_t", "beta_t")
+    return _step(fn, q_t, k_t, v_t, g_t, beta_t, state, gate=gate, erase=bool(erase), scale=scale)
+
+
+# ----------------------------------------------------------------------------
 # Linear-attention state helpers.
 # ----------------------------------------------------------------------------
 def _check_normalize(fn: str, normalize: Any, eps: Any = 0.0) -> None:
@@ -406,8 +458,8 @@ def delta_corrections(
     k: Array,
     v: Array,
     beta: Array,
-    g: Optional[Array] = None,
     *,
+    g: Optional[Array] = None,
     initial_state: Optional[Array] = None,
 ) -> Array:
     """The WY/UT triangular solve over one chunk: every correction at once.
@@ -419,7 +471,8 @@ def delta_corrections(
 
     Args:
       k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
-      g: optional log-decay ``[B, T, H]`` (scalar) or ``[B, T, H, K]`` (per channel).
+      g: optional log-decay ``[B, T, H]`` (scalar) or ``[B, T, H, K]`` (per channel); keyword-only, since the
+        rules take ``(q, k, v, g, beta)`` and a positional ``g`` here would be read in ``beta``'s place.
       initial_state: ``S0 [B, H, K, V]`` (default zeros).
     Returns:
       ``u [B, T, H, V]``.

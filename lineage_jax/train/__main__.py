@@ -37,8 +37,10 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
                    help="start from this transformers checkpoint directory (config.json + safetensors); "
                         "its config.json gives the model config")
     p.add_argument("--steps", type=int, required=True,
-                   help="total optimizer steps of the run (not additional ones): rerunning with a larger N "
-                        "extends a finished run, with the same N resumes or reports a finished one")
+                   help="total optimizer steps of the run (not additional ones), and the length of its learning-"
+                        "rate schedule: rerunning with a larger N extends a finished run on the schedule of the new N "
+                        "(the rate moves to that curve at the resumed step), with the same N resumes exactly or "
+                        "reports a finished one")
     p.add_argument("--workdir", required=True,
                    help="the run's directory: config.json, checkpoints/, metrics.jsonl, tb/ (created if absent; "
                         "an existing one is resumed)")

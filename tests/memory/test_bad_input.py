@@ -61,6 +61,13 @@ def test_rules_name_the_argument(call, match):
         call()
 
 
+def test_delta_corrections_takes_the_gate_by_keyword():
+    # the rules take (q, k, v, g, beta): a positional g here would be read as beta
+    with pytest.raises(TypeError, match="positional"):
+        M.delta_corrections(k, v, g_c, beta)
+    assert M.delta_corrections(k, v, beta, g=g_c).shape == v.shape
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: M.reference_attention(jnp.zeros((B, T, 3, D)), k, v), "reference_attention: query heads H=3"),
     (lambda: M.reference_attention(q, jnp.zeros((B, T, H, 5)), v), "reference_attention: `k` must have shape"),

@@ -371,3 +371,72 @@ def test_float64_inputs_compute_in_float64():
         assert o.dtype == jnp.float64 and S.dtype == jnp.float64
         o_ref, S_ref = naive.delta_family(x.q, x.k, x.v, beta=x.beta, g=x.g_channel, segment_ids=x.segment_ids)
         assert rel_err(o, o_ref) < 1e-12 and rel_err(S, S_ref) < 1e-12
+
+
+# --------------------------------------------------------------------------- the switches given directly
+NAMED_SETTINGS = [("linear", {}), ("delta", dict(erase=True)), ("gdn", dict(gate="scalar", erase=True)),
+                  ("kda", dict(gate="channel", erase=True))]
+
+
+def _switch_args(x, gate, erase):
+    return dict(g=None if gate == "none" else jnp.asarray(x.g_scalar if gate == "scalar" else x.g_channel),
+                beta=jnp.asarray(x.beta) if erase else None)
+
+
+@pytest.mark.parametrize("name,switches", NAMED_SETTINGS)
+def test_update_rule_gives_each_named_rule(name, switches):
+    x = Inputs(3, T=21)
+    kw = dict(initial_state=jnp.asarray(x.S0), segment_ids=jnp.asarray(x.segment_ids))
+    o, S = run(name, x, **kw)
+    args = _switch_args(x, switches.get("gate", "none"), switches.get("erase", False))
+    o2, S2 = M.update_rule(jnp.asarray(x.q), jnp.asarray(x.k), jnp.asarray(x.v), **args, **switches, **kw)
+    assert rel_err(o2, o) <= 1e-6 and rel_err(S2, S) <= 1e-6
+
+
+@pytest.mark.parametrize("gate,erase", [("channel", False), ("scalar", False), ("none", True)])
+def test_update_rule_unnamed_settings(gate, erase):
+    """GLA (per-channel gate, no erase) and the other settings no named rule covers: the recurrence equals the
+    float64 reference, the chunked form the recurrence (outputs, state and every gradient), the steps the
+    sequence."""
+    x = Inputs(4, T=23)
+    args = _switch_args(x, gate, erase)
+    q, k, v, S0 = (jnp.asarray(a) for a in (x.q, x.k, x.v, x.S0))
+    f = functools.partial(M.update_rule, gate=gate, erase=erase, initial_state=S0)
+    o_r, S_r = f(q, k, v, mode="recurrent", **args)
+    o_ref, S_ref = naive.delta_family(x.q, x.k, x.v, beta=x.beta if erase else None, erase=erase,
+                                      g=None if args["g"] is None else np.asarray(args["g"]), initial_state=x.S0)
+    assert rel_err(o_r, o_ref) < 2e-6 and rel_err(S_r, S_ref) < 2e-6
+    o_c, S_c = f(q, k, v, mode="chunked", chunk_size=8, **args)
+    assert rel_err(o_c, o_r) <= 1e-5 and rel_err(S_c, S_r) <= 1e-5
+    r = np.random.default_rng(5)
+    w_o, w_s = jnp.asarray(r.normal(size=o_r.shape), jnp.float32), jnp.asarray(r.normal(size=S_r.shape), jnp.float32)
+
+    def loss(mode, q, k, v, a):
+        o, S = f(q, k, v, mode=mode, chunk_size=8 if mode == "chunked" else None, **a)
+        return jnp.sum(o * w_o) + jnp.sum(S * w_s)
+
+    a = {n: t for n, t in args.items() if t is not None}
+    g_r = jax.grad(functools.partial(loss, "recurrent"), argnums=(0, 1, 2, 3))(q, k, v, a)
+    g_c = jax.grad(functools.partial(loss, "chunked"), argnums=(0, 1, 2, 3))(q, k, v, a)
+    for got, want in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_r)):
+        assert rel_err(got, want) <= 1e-5
+    S = S0
+    for t in range(x.T):
+        o_t, S = M.update_rule_step(q[:, t], k[:, t], v[:, t], S, gate=gate, erase=erase,
+                                    g_t=None if args["g"] is None else args["g"][:, t],
+                                    beta_t=None if args["beta"] is None else args["beta"][:, t])
+    assert rel_err(o_t, o_r[:, -1]) <= 1e-5 and rel_err(S, S_r) <= 1e-5
+
+
+def test_update_rule_switches_are_checked():
+    x = Inputs(6, T=5)
+    q, k, v, gc = (jnp.asarray(a) for a in (x.q, x.k, x.v, x.g_channel))
+    for kw, needle in [(dict(gate="diag", g=gc), "`gate` must be one of"),
+                       (dict(erase=0.5), "`erase` must be a bool"),
+                       (dict(erase=True), "`erase=True` needs `beta`"),
+                       (dict(gate="channel"), "gate='channel' needs `g`"),
+                       (dict(g=gc), "`g` is given where `gate` is 'none'")]:
+        with pytest.raises(ValueError, match=f"update_rule: {needle}"):
+            M.update_rule(q, k, v, **kw)
+    with pytest.raises(ValueError, match="update_rule_step: `erase` must be a bool"):
+        M.update_rule_step(q[:, 0], k[:, 0], v[:, 0], None, erase="yes")
