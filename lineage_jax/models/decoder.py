@@ -562,8 +562,16 @@ class InferenceSteps(NamedTuple):
 
 
 def inference_steps(model: Decoder) -> InferenceSteps:
-    """``model`` split once; jitted ``prefill`` and ``decode`` over its state (cache donated)."""
+    """``model`` split once; jitted ``prefill`` and ``decode`` over its state (cache donated). Models of the
+    same structure share the jitted functions, so a second call (another prompt, or new weights of the same
+    config) reuses their compilations."""
     graphdef, state = nnx.split(model)
+    prefill, decode = _jitted_steps(graphdef)
+    return InferenceSteps(state, prefill, decode)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_steps(graphdef):
     prefill = jax.jit(lambda st, tokens, cache: nnx.merge(graphdef, st).prefill(tokens, cache), donate_argnums=2)
     decode = jax.jit(lambda st, token, cache: nnx.merge(graphdef, st).decode(token, cache), donate_argnums=2)
-    return InferenceSteps(state, prefill, decode)
+    return prefill, decode
