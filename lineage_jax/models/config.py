@@ -484,8 +484,8 @@ def config_names() -> list[str]:
     return sorted(CONFIGS)
 
 
-def get_config(name: str, **overrides: Any) -> ModelConfig:
-    """The named config, optionally with field overrides (validated)."""
+def get_config(name: str, /, **overrides: Any) -> ModelConfig:
+    """The named config, optionally with field overrides (validated; ``name=`` among them renames the copy)."""
     if name not in CONFIGS:
         raise ValueError(f"unknown config {name!r}; valid names: {config_names()}")
     cfg = CONFIGS[name]()

@@ -481,7 +481,12 @@ class Decoder(nnx.Module):
 
     @_at_model_precision
     def prefill(self, tokens: Array, cache: DecoderCache, *, segment_ids: Optional[Array] = None):
-        """Run a prompt ``[B, T]`` after what ``cache`` holds; ``(logits [B, T, vocab], cache)``."""
+        """Run a prompt ``[B, T]`` after what ``cache`` holds; ``(logits [B, T, vocab], cache)``.
+
+        ``segment_ids`` packs documents into a row for the prompt's own logits. The cache it leaves is not one
+        document's: fixed-state layers end in the last document's state, while attention layers keep every
+        document's keys, and a decode step after it attends to all of them. To continue a document, prefill it
+        alone in its row."""
         self._check_tokens("prefill", tokens, 2)
         B, T = tokens.shape
         self._check_cache("prefill", cache, B, T)

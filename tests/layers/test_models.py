@@ -563,3 +563,8 @@ def test_grouped_value_heads_model_decodes_like_its_forward_and_counts_its_state
     assert accounting.flops_per_token(cfg, 64) > accounting.flops_per_token(base, 64)
     with pytest.raises(ValueError, match="num_v_heads"):
         base.replace(num_v_heads=base.num_heads + 1)
+
+
+def test_get_config_takes_a_name_override():
+    cfg = get_config("tiny_kda", name="kda_variant", d_model=32)
+    assert cfg.name == "kda_variant" and cfg.d_model == 32 and cfg.pattern == get_config("tiny_kda").pattern
