@@ -17,7 +17,6 @@ parameters in the sharding rules' layout and every cache split over the batch.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import numbers
 import os
@@ -38,20 +37,16 @@ from lineage_jax.parallel.mesh import mesh_shape
 from lineage_jax.parallel.rules import Rules, logical_sharding, logical_to_spec, mesh_axes_of, state_shardings
 from lineage_jax.train.checkpoint import Checkpointer
 from lineage_jax.train.config import TrainConfig
+from lineage_jax.train.loop import run_configs
 from lineage_jax.train.step import init_state
 
 
 def load(workdir: str) -> tuple[Decoder, TrainConfig]:
     """The latest checkpoint in ``workdir`` as a ready ``Decoder``."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    configs = run_configs(workdir)
+    if configs is None:
         raise ValueError(f"--workdir {workdir!r} holds no run (no config.json); train one with python -m lineage_jax.train")
-    try:
-        with open(path) as f:
-            record = json.load(f)
-        train_cfg, model_cfg = TrainConfig(**record["train"]), ModelConfig(**record["model"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--workdir {workdir!r}: its config.json is unreadable ({type(e).__name__}: {e})") from None
+    train_cfg, model_cfg = configs
     graphdef, abstract = _abstract_state(model_cfg, train_cfg)
     with Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False) as ckpt:
         state, _ = ckpt.restore(abstract)

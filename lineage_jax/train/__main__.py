@@ -6,12 +6,15 @@ is then not needed; ``--set`` still overrides execution fields such as ``remat``
 
 Rerunning the same command resumes exactly from the latest checkpoint in DIR; a larger
 ``--steps`` extends a finished run; a run directory moved or copied elsewhere resumes there.
+Without ``--config`` and ``--init-from-hf``, a DIR holding a run resumes with the settings its
+``config.json`` records (``--steps N --workdir DIR`` is enough).
 Every argument is checked before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Optional
@@ -21,7 +24,7 @@ from lineage_jax.parallel import maybe_initialize_distributed, parse_mesh_spec
 from lineage_jax.train.checkpoint import CheckpointError, NonFiniteStateError
 from lineage_jax.train.config import TrainConfig, apply_overrides
 from lineage_jax.train.inputs import make_data
-from lineage_jax.train.loop import InitFromHFError, check_lengths, check_workdir, train
+from lineage_jax.train.loop import InitFromHFError, check_lengths, check_workdir, run_configs, train
 from lineage_jax.train.step import make_parallel
 
 
@@ -32,7 +35,8 @@ _FLAG_FIELDS = {"config": "--config", "init_from_hf": "--init-from-hf", "steps":
 
 def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     p = argparse.ArgumentParser(prog="python -m lineage_jax.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=None, help=f"model config: {', '.join(config_names())} (not with --init-from-hf)")
+    p.add_argument("--config", default=None, help=f"model config: {', '.join(config_names())} (not with --init-from-hf; without either, "
+                        "a --workdir holding a run resumes with the settings it records)")
     p.add_argument("--init-from-hf", default=None, metavar="DIR",
                    help="start from this transformers checkpoint directory (config.json + safetensors); "
                         "its config.json gives the model config")
@@ -67,13 +71,24 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
         except ValueError as e:
             p.error(f"--init-from-hf: {e}")
         config_name = f"hf_{family}"
+    recorded = None
+    if args.init_from_hf is None and args.config is None:
+        try:
+            recorded = run_configs(args.workdir)
+        except ValueError as e:
+            p.error(str(e))
+        if recorded is None:
+            p.error("one of --config or --init-from-hf is required (or a --workdir holding a run: it resumes with "
+                    "the settings its config.json records)")
+    if recorded is not None:  # the run's own settings; --steps, --set and the flags given change them
+        base_model = recorded[1]
+        base = {**dataclasses.asdict(recorded[0]), "steps": args.steps, "workdir": args.workdir}
     else:
-        if args.config is None:
-            p.error("one of --config or --init-from-hf is required")
-        if args.config not in config_names():
-            p.error(f"unknown --config {args.config!r}; valid names: {', '.join(config_names())}")
-        base_model, config_name = get_config(args.config), args.config
-    base = {"config": config_name, "steps": args.steps, "workdir": args.workdir}
+        if args.init_from_hf is None:
+            if args.config not in config_names():
+                p.error(f"unknown --config {args.config!r}; valid names: {', '.join(config_names())}")
+            base_model, config_name = get_config(args.config), args.config
+        base = {"config": config_name, "steps": args.steps, "workdir": args.workdir}
     if args.init_from_hf is not None:
         base["init_from_hf"] = os.path.abspath(args.init_from_hf)
     if args.data is not None:

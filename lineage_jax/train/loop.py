@@ -68,6 +68,20 @@ RESUMABLE_CHANGES = {"workdir", "steps", "progress", "eval_every", "log_every", 
 RESUMABLE_MODEL_CHANGES = {"scan_unroll"}
 
 
+def run_configs(workdir: str) -> Optional[tuple[TrainConfig, ModelConfig]]:
+    """The configs a run directory records in its ``config.json`` (None: no run there); ``ValueError`` naming
+    the directory where that file is unreadable."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        return TrainConfig(**record["train"]), ModelConfig(**record["model"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--workdir {workdir!r}: its config.json is unreadable ({type(e).__name__}: {e})") from None
+
+
 def check_workdir(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     """Refuse (``ValueError``) a workdir that is a file, or holds a run with other settings.
 

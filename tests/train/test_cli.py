@@ -182,6 +182,29 @@ def test_finished_run_reports_its_metrics_and_a_copied_run_resumes(tmp_path, cap
     assert steps == [1, 2, 3]
 
 
+def test_a_run_resumes_with_its_recorded_settings(tmp_path, capsys):
+    """``--steps N --workdir DIR`` resumes a run with what its config.json records (its --config, --data and
+    --set values), and gives the same result as the full command."""
+    import shutil
+
+    full = tmp_path / "full"
+    args = ["--config", "tiny_gpt2", "--data", "mqar", *SMALL]
+    assert train_main(["--steps", "2", "--workdir", str(full), *args]) == 0
+    short = tmp_path / "short"
+    shutil.copytree(full, short)
+    assert train_main(["--steps", "3", "--workdir", str(full), *args]) == 0
+    assert train_main(["--steps", "3", "--workdir", str(short)]) == 0
+    finals = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step 3:")]
+    assert len(finals) == 2 and finals[0] == finals[1]  # the same step-3 metrics either way
+    with pytest.raises(SystemExit) as e:  # an empty directory holds no run
+        train_main(["--steps", "1", "--workdir", str(tmp_path / "none")])
+    assert e.value.code == 2 and "or a --workdir holding a run" in capsys.readouterr().err
+    (short / "config.json").write_text("{")
+    with pytest.raises(SystemExit) as e:
+        train_main(["--steps", "4", "--workdir", str(short)])
+    assert e.value.code == 2 and "config.json is unreadable" in capsys.readouterr().err
+
+
 def test_help_describes_every_option(capsys):
     with pytest.raises(SystemExit):
         train_main(["--help"])
