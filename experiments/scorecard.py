@@ -439,8 +439,8 @@ def table(record: dict) -> str:
         lines += ["", f"Not taught in this budget (no probe above {LEARNED}; no verdict from these rows): "
                   + ", ".join(missing) + "."]
         if record.get("quick"):
-            lines.append("  With the default budget on a GPU, MLA and softmax attention with RoPE learn the probes; GPT-2 "
-                         "with learned positions only in part (docs/results.md).")
+            lines.append("  With the default budget on a GPU, MLA and softmax attention with RoPE learn the probes; "
+                         "GPT-2 with learned positions only in part (docs/results.md).")
     lines += ["", "Memory per layer: KV cache or state at 16 heads x 128 (bf16 cache, float32 state), "
                   "in binary units (1 MiB = 2^20 bytes)."]
     return "\n".join(lines)

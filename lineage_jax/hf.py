@@ -225,7 +225,8 @@ def _rope_fields(hf: dict, qk_head_dim: int) -> dict:
     out.update(rope_scaling="yarn", rope_factor=factor, rope_original_max_len=orig,
                rope_beta_fast=_float(params, "beta_fast", where=where, default=0.0) or 32.0,
                rope_beta_slow=_float(params, "beta_slow", where=where, default=0.0) or 1.0,
-               rope_attention_factor=float(attention_factor), rope_truncate=_bool(params, "truncate", True, where=where))
+               rope_attention_factor=float(attention_factor),
+               rope_truncate=_bool(params, "truncate", True, where=where))
     if mscale_all:
         out["mla_softmax_scale"] = qk_head_dim ** -0.5 * yarn_mscale(factor, mscale_all) ** 2
     return out

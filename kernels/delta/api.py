@@ -1303,8 +1303,9 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
                            or V % bv or (target == "gpu" and bv < 16)):
         raise ValueError(f"`bv` must be a power of two dividing the padded value dim V = {V}"
                          f"{' and >= 16 on GPUs (matmul tiles)' if target == 'gpu' else ''}, or None, got {bv!r}")
-    if num_stages_state is not None and (isinstance(num_stages_state, bool)
-                                         or not isinstance(num_stages_state, (int, np.integer)) or num_stages_state < 1):
+    stages_ok = (isinstance(num_stages_state, (int, np.integer)) and not isinstance(num_stages_state, bool)
+                 and num_stages_state >= 1)
+    if num_stages_state is not None and not stages_ok:
         raise ValueError(f"`num_stages_state` must be a positive int (pipeline stages), got {num_stages_state!r}")
     if state_dtype is not None:
         try:
@@ -1372,8 +1373,9 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
 def _tuning_knobs() -> frozenset:
     """The launch knobs ``**tuning`` takes: ``_prepare``'s keywords after the public ones."""
     import inspect
+    # gate_lower_bound stays: the rules without per-channel gates refuse it with a message of its own
     public = {"q", "k", "v", "g", "beta", "gate", "scale", "initial_state", "segment_ids", "chunk_size", "target",
-              "interpret", "gate_lower_bound"}
+              "interpret"}
     return frozenset(inspect.signature(_prepare).parameters) - public
 
 

@@ -35,7 +35,8 @@ _FLAG_FIELDS = {"config": "--config", "init_from_hf": "--init-from-hf", "steps":
 
 def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     p = argparse.ArgumentParser(prog="python -m lineage_jax.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=None, help=f"model config: {', '.join(config_names())} (not with --init-from-hf; without either, "
+    p.add_argument("--config", default=None,
+                   help=f"model config: {', '.join(config_names())} (not with --init-from-hf; without either, "
                         "a --workdir holding a run resumes with the settings it records)")
     p.add_argument("--init-from-hf", default=None, metavar="DIR",
                    help="start from this transformers checkpoint directory (config.json + safetensors); "

@@ -273,8 +273,8 @@ def next_token_loss(model: nnx.Module, batch: dict) -> tuple[Array, dict]:
     if pipeline:
         targets = batch["targets"]
         if tuple(targets.shape) != tuple(tokens.shape):
-            raise ValueError(f"next_token_loss: `batch['targets']` must have the shape of `tokens` {tuple(tokens.shape)}, "
-                             f"got {tuple(targets.shape)}")
+            raise ValueError(f"next_token_loss: `batch['targets']` must have the shape of `tokens` "
+                             f"{tuple(tokens.shape)}, got {tuple(targets.shape)}")
         mask = batch.get("mask", jnp.ones(targets.shape, jnp.float32)).astype(jnp.float32)
         loss, _ = cross_entropy(logits, targets, mask)
         return loss, {"moe": aux.get("moe", ()), "num_tokens": jnp.sum(mask)}

@@ -395,7 +395,8 @@ def test_transposed_state_passes_by_default():
     ``STATE_PROGRAMS`` programs of at most 32 value columns; nothing on TPUs. True: every pass; False: none;
     a tuple names the passes. Other values, unknown passes and any transposed pass on a TPU are refused by
     name."""
-    a = [jnp.zeros((1, 64, 2, 16), jnp.bfloat16)] * 3 + [jnp.ones((1, 64, 2), jnp.bfloat16)]
+    a = ([jnp.zeros((1, 64, 2, 16), jnp.bfloat16)] * 2 + [jnp.zeros((1, 64, 2, 64), jnp.bfloat16)]  # V = 64
+         + [jnp.ones((1, 64, 2), jnp.bfloat16)])
     a32 = [y.astype(jnp.float32) for y in a]
     gs, gc = -jnp.ones((1, 64, 2)), -jnp.ones((1, 64, 2, 16))
     spec = lambda args, g, **knobs: kd._debug_spec(*args[:3], g, args[3], **knobs)[0].transposed_state  # noqa: E731

@@ -85,8 +85,8 @@ def test_a_misspelt_knob_is_named_by_the_entry_point():
         kd.chunk_kda(q, k, v, g_c, beta, mode="chunked")
     with pytest.raises(TypeError, match=r"chunk_delta_rule: unknown keyword 'num_warp'"):
         kd.chunk_delta_rule(q, k, v, beta, num_warp=4)
-    with pytest.raises(TypeError, match=r"chunk_gated_delta_rule: unknown keyword 'gate_lower_bound'"):
-        kd.chunk_gated_delta_rule(q, k, v, g_s, beta, gate_lower_bound=-5.0)  # KDA's alone
+    with pytest.raises(ValueError, match=r"per-channel"):  # KDA's alone, refused with its own message
+        kd.chunk_gated_delta_rule(q, k, v, g_s, beta, gate_lower_bound=-5.0)
 
 
 def test_a_numpy_chunk_size_is_a_chunk_size():

@@ -56,8 +56,8 @@ def test_next_token_loss_takes_the_pipelines_batches_as_loss_fn_does():
     want, _ = cross_entropy(logits, targets, mask)
     assert float(loss) == float(want) and int(aux["num_tokens"]) == int(mask.sum())
     for batch, needle in [({"tokens": tokens, "targets": targets, "loss_mask": mask}, "give one form"),
-                          ({"tokens": tokens, "mask": mask}, "needs `batch\['targets'\]`"),
-                          ({"tokens": tokens, "targets": targets[:, :3]}, "`batch\['targets'\]` must have the shape")]:
+                          ({"tokens": tokens, "mask": mask}, r"needs `batch\['targets'\]`"),
+                          ({"tokens": tokens, "targets": targets[:, :3]}, r"`batch\['targets'\]` must have the shape")]:
         with pytest.raises(ValueError, match=needle):
             next_token_loss(FixedLogits(logits), batch)
 
