@@ -30,7 +30,7 @@ the copy with the best mean accuracy on a separate validation mixture scored on 
 held-out probes; fixed-state mixers all use the short causal conv (size 4),
 softmax uses learned positions (GPT-2) and the pure-MLA model RoPE (DeepSeek), the
 hybrids NoPE MLA (Kimi). ``--quick`` (:data:`QUICK`: two layers, six facts per probe, 800
-steps) runs in about 7 minutes on 2 idle CPU cores and separates the first-order claim — linear
+steps) runs in about 9 minutes on 2 idle CPU cores and separates the first-order claim — linear
 attention fails recall and overwrite where the delta rules solve them; the
 default (``PRESSURE``: every probe's live facts reach a head's key dimension) is sized for
 one GPU: on an H200 all eight took 13 min (2026-11-29: 431 s for linear attention, DeltaNet,
@@ -449,7 +449,7 @@ def table(record: dict) -> str:
 def main(argv=None) -> dict:
     parser = C.make_parser(NAME, __doc__.splitlines()[0])
     parser._option_string_actions["--quick"].help = (
-        "the CPU budget: two layers, six facts per probe, 800 steps; about 7 minutes on 2 idle CPU cores "
+        "the CPU budget: two layers, six facts per probe, 800 steps; about 9 minutes on 2 idle CPU cores "
         "(linear attention fails recall/overwrite, the delta rules solve them; softmax rows are not taught)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--steps", type=C.positive_int, default=None, help="override the training steps")
