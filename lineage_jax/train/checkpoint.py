@@ -11,6 +11,8 @@ import orbax.checkpoint as ocp
 
 from lineage_jax.train.step import TrainState
 
+Array = jax.Array
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be restored (incomplete, corrupted, or of another model); names its directory."""
@@ -20,14 +22,20 @@ class NonFiniteStateError(FloatingPointError):
     """A training state holding NaN or infinite values, refused before it is saved."""
 
 
+@jax.jit
+def _finite_leaves(leaves: list) -> Array:
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
+
+
 def first_nonfinite(tree: Any) -> Optional[str]:
     """The path (``params/blocks/0/...``) of the first floating-point leaf of ``tree`` that holds a NaN or an
-    infinity, or None. One device reduction a leaf, fetched together."""
+    infinity, or None. One compiled program for all the leaves (sharded ones included: a program a leaf would
+    launch a collective a leaf), one small array fetched."""
     leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
               if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
     if not leaves:
         return None
-    ok = jax.device_get([jnp.isfinite(x).all() for _, x in leaves])
+    ok = jax.device_get(_finite_leaves([x for _, x in leaves]))
     for (path, _), good in zip(leaves, ok):
         if not good:
             return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)

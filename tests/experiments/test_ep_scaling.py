@@ -44,7 +44,7 @@ def record(tmp_path_factory):
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     js = out / EPS.NAME / f"{EPS.NAME}.json"
     rec = json.loads(js.read_text())
-    rec["_stdout"] = proc.stdout
+    rec["_stdout"], rec["_out"] = proc.stdout, out
     return rec
 
 
@@ -88,7 +88,8 @@ def test_every_run_trains_and_matches_one_device(record):
 
 @pytest.mark.slow
 def test_files_and_table(record):
-    png = Path(record["files"]["png"])
+    png = record["_out"] / record["files"]["png"]  # the saved record names its files relative to --out
+    assert record["files"]["png"] == f"{EPS.NAME}/{EPS.NAME}.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     for key in ("date", "git_commit", "jax_version", "device", "model", "methods", "budget"):
         assert key in record
