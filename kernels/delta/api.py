@@ -1370,8 +1370,9 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     return s, (qq, kk, vv, gg, bb, doc, h0)
 
 
+@functools.lru_cache(maxsize=None)
 def _tuning_knobs() -> frozenset:
-    """The launch knobs ``**tuning`` takes: ``_prepare``'s keywords after the public ones."""
+    """The launch knobs ``**tuning`` takes: ``_prepare``'s keywords after the public ones (read once)."""
     import inspect
     # gate_lower_bound stays: the rules without per-channel gates refuse it with a message of its own
     public = {"q", "k", "v", "g", "beta", "gate", "scale", "initial_state", "segment_ids", "chunk_size", "target",
