@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from lineage_jax.memory._validate import require_positive_int
+from lineage_jax.layers.memory_mixer import RULES
 from lineage_jax.models.config import MIXERS, ModelConfig, get_config
 
 ConfigLike = Union[ModelConfig, str]
@@ -132,12 +133,14 @@ def state_bytes(config: ConfigLike, dtype_bytes: int = 4, *, include_conv: bool 
     Hv = cfg.num_v_heads or H
     total = 0
     for ch in cfg.pattern:
-        kind = MIXERS[ch]
-        if kind in ("deltanet", "gdn", "kda"):
-            total += Hv * K * K
-        elif kind == "linear":
+        rule = RULES.get(MIXERS[ch])
+        if rule is None:  # softmax / MLA: a growing cache, not a state
+            continue
+        if rule.normalize:  # S and the normalizer z, per query head
             total += H * K * K + H * K
-        if include_conv and kind in ("deltanet", "gdn", "kda") and cfg.conv_size:
+        else:
+            total += Hv * K * K
+        if include_conv and rule.conv and cfg.conv_size:
             total += (cfg.conv_size - 1) * (2 * H + Hv) * K
     return int(dtype_bytes * total)
 
@@ -170,7 +173,7 @@ def flops_per_token(config: ConfigLike, seq_len: int) -> float:
             total += 2 * H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * ctx
         else:
             K = V = hd
-            delta = kind != "linear"
-            Hv = (cfg.num_v_heads or H) if delta else H  # the rule runs once per value head
+            delta = RULES[kind].erase
+            Hv = H if RULES[kind].normalize else (cfg.num_v_heads or H)  # the rule runs once per value head
             total += Hv * ((4 + 2 * delta) * K * V + C * (K + V) + delta * C * K)
     return float(total)

@@ -1,24 +1,30 @@
 """Fixed-state token mixers: linear attention, DeltaNet, Gated DeltaNet, KDA — one layer.
 
-They share everything but the edit to the update rule, so one module builds all
-four from ``rule``:
+They share everything but the switches of the update equation
+(:func:`lineage_jax.memory.update_rule`), so one module builds every rule from one row of
+:data:`RULES` (a :class:`Rule`); a new fixed-state mixer is a new row — its letter in a
+``ModelConfig.pattern``, its parameters, its accounting and its decode step follow from it:
 
     x ─┬─ W_q, W_k, W_v ─ [short causal conv + SiLU] ─ feature map ─┐
-       ├─ W_β ─ σ ─────────────────────────────────────── β ────────┤
-       ├─ gate(x) ─────────────────────────────────────── g ────────┼─ memory rule ─ [RMSNorm ⊙ gate(x)] ─ W_o
+       ├─ W_β ─ σ ─────────────────────────────────────── β ────────┤   (rules that erase)
+       ├─ gate(x) ─────────────────────────────────────── g ────────┼─ update rule ─ [RMSNorm ⊙ gate(x)] ─ W_o
        └─ (output gate) ────────────────────────────────────────────┘
 
-==========  ==============  ==============================  =======================================
-rule        feature map     gate g (log-decay)              output
-==========  ==============  ==============================  =======================================
-linear      elu + 1         —                               normalized read ``qS / (q·z + eps)``
-deltanet    SiLU, L2 q/k    —                               RMSNorm
-gdn         SiLU, L2 q/k    ``−exp(A_log)·softplus(a(x)+b)``  RMSNorm ⊙ SiLU(W_g x)   (Mamba-2 gate)
-kda         SiLU, L2 q/k    per channel, low-rank ``f_b f_a``:  RMSNorm ⊙ σ(gate(x)), gate low-rank or full
-                            ``−exp(A_log)·softplus(z + b)`` or
-                            K3's bounded ``−5·σ(exp(A_log)·(z + b))``
-==========  ==============  ==============================  =======================================
+==========  ======  ==============  ==============================  ======  =====================================
+rule        letter  feature map     gate g (log-decay)              erase   output
+==========  ======  ==============  ==============================  ======  =====================================
+linear      L       elu + 1         —                               no      normalized read ``qS / (q·z + eps)``
+deltanet    D       SiLU, L2 q/k    —                               yes     RMSNorm
+gdn         G       SiLU, L2 q/k    "scalar": per head, Mamba-2's   yes     RMSNorm ⊙ SiLU(W_g x)
+                                    ``−exp(A_log)·softplus(a(x)+b)``
+kda         K       SiLU, L2 q/k    "channel": per key channel,     yes     RMSNorm ⊙ σ(gate(x)), low-rank gate
+                                    low-rank ``f_b f_a``:
+                                    ``−exp(A_log)·softplus(z + b)``
+                                    or K3's bounded
+                                    ``−5·σ(exp(A_log)·(z + b))``
+==========  ======  ==============  ==============================  ======  =====================================
 """
+
 
 from __future__ import annotations
 
@@ -40,11 +46,78 @@ from lineage_jax.layers.common import Dense, RMSNorm, l2_normalize, normal, para
 
 Array = jax.Array
 
-RULES = ("linear", "deltanet", "gdn", "kda")
+GATES = ("none", "scalar", "channel")
+FEATURES = ("elu1", "silu_l2")
+
+
+class Rule(NamedTuple):
+    """One fixed-state mixer: the switches of the update equation and the layer's defaults around it.
+
+    Attributes:
+      letter: the rule's letter in ``ModelConfig.pattern``.
+      gate: the decay ``α = exp(g)``: ``"none"``; ``"scalar"``, one log-decay per head and token from
+        Mamba-2's gate (``g = −exp(A_log)·softplus(a(x) + b)``, parameters ``gate_a``, ``A_log``,
+        ``dt_bias``); ``"channel"``, one per key channel from a low-rank projection
+        (``gate_b(gate_a(x))``) under the layer's ``kda_gate`` form.
+      erase: the delta rule's correction ``− β k Diag(α) S`` before the write; β (``W_β``, a sigmoid)
+        exists with it.
+      normalize: linear attention's normalized read ``qS / (q·z + eps)`` (state ``(S, z)``); only
+        without a gate and without erasing.
+      feature: the feature map of ``q`` and ``k``: ``"elu1"`` (``elu + 1``) or ``"silu_l2"`` (SiLU
+        where no conv applies one, then L2 normalization).
+      conv: the Decoder gives the layer ``ModelConfig.conv_size``'s short convolution (else none).
+      output_norm, output_gate, gate_activation: the defaults of the layer's arguments of those names.
+    """
+
+    letter: str
+    gate: str = "none"
+    erase: bool = True
+    normalize: bool = False
+    feature: str = "silu_l2"
+    conv: bool = True
+    output_norm: bool = True
+    output_gate: str = "none"
+    gate_activation: str = "sigmoid"
+
+
+RULES: dict[str, Rule] = {
+    "linear": Rule("L", erase=False, normalize=True, feature="elu1", conv=False, output_norm=False),
+    "deltanet": Rule("D"),
+    "gdn": Rule("G", gate="scalar", output_gate="full", gate_activation="silu"),
+    "kda": Rule("K", gate="channel", output_gate="lowrank"),
+}
 KDA_GATES = ("softplus", "bounded")
 OUTPUT_GATES = ("none", "lowrank", "full")
 GATE_ACTIVATIONS = ("silu", "sigmoid")
 A_INITS = ("default", "unit")
+
+
+def check_rules(rules: dict[str, Rule], taken: str = "SM") -> None:
+    """Raise ``ValueError`` naming the first inconsistent row of a rule table (run on :data:`RULES` at
+    import): settings from the allowed sets, a normalized read only for an ungated rule that does not
+    erase, one distinct upper-case letter per rule outside ``taken`` (the attention layers' letters)."""
+    letters = set(taken)
+    for name, r in rules.items():
+        where = f"memory_mixer.RULES[{name!r}]"
+        if not isinstance(r, Rule):
+            raise ValueError(f"{where} must be a Rule, got {type(r).__name__}")
+        if not (isinstance(r.letter, str) and len(r.letter) == 1 and r.letter.isupper()) or r.letter in letters:
+            raise ValueError(f"{where}.letter must be one upper-case letter not already used "
+                             f"({''.join(sorted(letters))}), got {r.letter!r}")
+        letters.add(r.letter)
+        for field, allowed in (("gate", GATES), ("feature", FEATURES), ("output_gate", OUTPUT_GATES),
+                               ("gate_activation", GATE_ACTIVATIONS)):
+            if getattr(r, field) not in allowed:
+                raise ValueError(f"{where}.{field} must be one of {allowed}, got {getattr(r, field)!r}")
+        for field in ("erase", "normalize", "conv", "output_norm"):
+            if not isinstance(getattr(r, field), bool):
+                raise ValueError(f"{where}.{field} must be True or False, got {getattr(r, field)!r}")
+        if r.normalize and (r.erase or r.gate != "none"):
+            raise ValueError(f"{where}: the normalized read (normalize=True) is for an ungated rule that does "
+                             "not erase (linear attention)")
+
+
+check_rules(RULES)
 
 
 class MemoryCache(NamedTuple):
@@ -108,7 +181,9 @@ class MemoryMixer(nnx.Module):
       d_model: residual width. num_heads, head_dim: ``H`` heads of key width ``K``.
       v_head_dim: value width ``V`` (default ``head_dim``).
       conv_size: short causal conv width on q, k, v (0: none).
-      kda_gate: "softplus" (Kimi Linear: ``g = −exp(A_log)·softplus(z + b)``) or "bounded"
+      rule: a key of :data:`RULES` (``"linear"``, ``"deltanet"``, ``"gdn"``, ``"kda"``, or a row added there).
+      kda_gate: the per-channel gate's form (the rules with ``gate="channel"``: KDA's):
+        "softplus" (Kimi Linear: ``g = −exp(A_log)·softplus(z + b)``) or "bounded"
         (K3: ``g = −gate_bound·σ(exp(A_log)·(z + b))``, so ``g ≥ −gate_bound`` per token). Both
         use the Mamba-2 bias ``softplus(b) ~ logU[1e-3, 0.1]``, so a fresh layer forgets slowly
         under either gate. ``A_log`` starts at ``log U[1, 16]`` for the softplus gate and at 0 for
@@ -159,7 +234,7 @@ class MemoryMixer(nnx.Module):
         arguments, without ``rngs``); ``ModelConfig`` runs it on its part for each rule. Returns the
         layer's :class:`~lineage_jax.memory.MemoryOptions` (the bounded KDA gate's bound added)."""
         if rule not in RULES:
-            raise ValueError(f"MemoryMixer: `rule` must be one of {RULES}, got {rule!r}")
+            raise ValueError(f"MemoryMixer: `rule` must be one of {tuple(RULES)}, got {rule!r}")
         for name, val in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
             V.require_positive_int("MemoryMixer", name, val)
         for name, val in (("v_head_dim", v_head_dim), ("gate_rank", gate_rank)):
@@ -189,11 +264,12 @@ class MemoryMixer(nnx.Module):
         if not isinstance(H, int) or H <= 0 or H % num_heads:
             raise ValueError(f"MemoryMixer: `num_v_heads` must be a positive multiple of num_heads={num_heads}, "
                              f"got {H!r}")
-        if H != num_heads and rule == "linear":
-            raise ValueError("MemoryMixer: `num_v_heads` (grouped value heads) is for the delta rules, not linear")
+        if H != num_heads and RULES[rule].normalize:
+            raise ValueError(f"MemoryMixer: `num_v_heads` (grouped value heads) is not for a normalized read "
+                             f"(rule {rule!r})")
         if output_gate_bias and MemoryMixer._defaults(rule, output_norm, output_gate, gate_activation)[1] == "none":
             raise ValueError("MemoryMixer: `output_gate_bias` needs an output gate (output_gate='none')")
-        if rule == "kda" and kda_gate == "bounded":
+        if RULES[rule].gate == "channel" and kda_gate == "bounded":
             try:  # MemoryOptions checks the bound it becomes; name the argument given here
                 options = options.replace(gate_lower_bound=-float(gate_bound))
             except (TypeError, ValueError):
@@ -205,11 +281,10 @@ class MemoryMixer(nnx.Module):
     @staticmethod
     def _defaults(rule, output_norm, output_gate, gate_activation) -> tuple[bool, str, str]:
         """The rule's output norm, output gate and gate activation where the arguments leave them None."""
-        defaults = {"linear": (False, "none"), "deltanet": (True, "none"), "gdn": (True, "full"), "kda": (True, "lowrank")}
-        output_norm = defaults[rule][0] if output_norm is None else output_norm
-        output_gate = defaults[rule][1] if output_gate is None else output_gate
-        gate_activation = ("silu" if rule == "gdn" else "sigmoid") if gate_activation is None else gate_activation
-        return output_norm, output_gate, gate_activation
+        r = RULES[rule]
+        return (r.output_norm if output_norm is None else output_norm,
+                r.output_gate if output_gate is None else output_gate,
+                r.gate_activation if gate_activation is None else gate_activation)
 
     def __init__(self, d_model: int, *, rule: str, num_heads: int, head_dim: int, v_head_dim: Optional[int] = None,
                  conv_size: int = 4, kda_gate: str = "softplus", gate_bound: float = 5.0, gate_rank: Optional[int] = None,
@@ -230,6 +305,7 @@ class MemoryMixer(nnx.Module):
         Vd = head_dim if v_head_dim is None else v_head_dim
         rank = head_dim if gate_rank is None else gate_rank
         self.rule, self.d_model, self.num_heads, self.head_dim, self.v_head_dim = rule, d_model, Hq, K, Vd
+        spec = self.spec
         self.num_v_heads = H
         self.options = options  # how the rule runs: backend, chunk, gate bound, precision (checked once)
         self.conv_size, self.kda_gate, self.gate_bound = conv_size, kda_gate, gate_bound
@@ -241,12 +317,12 @@ class MemoryMixer(nnx.Module):
         self.v = Dense(d_model, (H, Vd), axes=("embed", "heads", "head_dim"), rngs=rngs)
         self.conv = (param(rngs, normal(conv_size ** -0.5), (conv_size, self.conv_channels), ("conv", "heads"))
                      if conv_size else None)
-        self.beta = Dense(d_model, H, axes=("embed", "heads"), rngs=rngs) if rule != "linear" else None
-        if rule == "gdn":
+        self.beta = Dense(d_model, H, axes=("embed", "heads"), rngs=rngs) if spec.erase else None
+        if spec.gate == "scalar":
             self.gate_a = Dense(d_model, H, axes=("embed", "heads"), rngs=rngs)
             self.A_log = param(rngs, _a_log_init if a_init == "default" else jax.nn.initializers.zeros, (H,), ("heads",))
             self.dt_bias = param(rngs, _dt_bias_init, (H,), ("heads",))
-        elif rule == "kda":
+        elif spec.gate == "channel":
             self.gate_a = Dense(d_model, rank, axes=("embed", "gate_rank"), rngs=rngs)
             self.gate_b = Dense(rank, (H, K), axes=("gate_rank", "heads", "head_dim"), rngs=rngs)
             # The bounded gate scales the sigmoid's argument by exp(A_log): start at A = 1 (fla's
@@ -263,6 +339,11 @@ class MemoryMixer(nnx.Module):
             self.out_gate = Dense(Vd, (H, Vd), axes=("gate_rank", "heads", "head_dim"), rngs=rngs,
                                   use_bias=output_gate_bias)
         self.o = param(rngs, normal((H * Vd) ** -0.5), (H, Vd, d_model), ("heads", "head_dim", "embed"))
+
+    @property
+    def spec(self) -> Rule:
+        """The layer's row of :data:`RULES`."""
+        return RULES[self.rule]
 
     @property
     def conv_channels(self) -> int:
@@ -304,7 +385,7 @@ class MemoryMixer(nnx.Module):
             qkv = jax.nn.silu(qkv)
             q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
             q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, Hv, Vd)
-        if self.rule == "linear":
+        if self.spec.feature == "elu1":
             q, k = jax.nn.elu(q) + 1.0, jax.nn.elu(k) + 1.0
         else:
             if self.conv is None:
@@ -316,10 +397,10 @@ class MemoryMixer(nnx.Module):
                 q, k = jnp.repeat(q, Hv // H, axis=2), jnp.repeat(k, Hv // H, axis=2)
         beta = None if self.beta is None else self.beta_max * jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
         g = None
-        if self.rule == "gdn":
+        if self.spec.gate == "scalar":
             a = self.gate_a(x).astype(jnp.float32) + self.dt_bias[...]
             g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a)
-        elif self.rule == "kda":
+        elif self.spec.gate == "channel":
             z = self.gate_b(self.gate_a(x)).astype(jnp.float32) + self.dt_bias[...]
             rate = jnp.exp(self.A_log[...])[:, None]
             if self.kda_gate == "softplus":
@@ -347,14 +428,12 @@ class MemoryMixer(nnx.Module):
         return self.options.backend
 
     def _rule(self, q, k, v, g, beta, state, segment_ids):
+        """The sequence through the rule's update equation (the Pallas kernels run the erasing rules)."""
         kw = dict(initial_state=state, segment_ids=segment_ids)
-        if self.rule == "linear":
+        if self.spec.normalize:
             return memory.linear_attention(q, k, v, normalize=True, chunk_size=self.options.chunk_size, **kw)
-        if self.rule == "deltanet":
-            return memory.delta_rule(q, k, v, beta, options=self.options, **kw)
-        if self.rule == "gdn":
-            return memory.gated_delta_rule(q, k, v, g, beta, options=self.options, **kw)
-        return memory.kda(q, k, v, g, beta, options=self.options, **kw)
+        return memory.update_rule(q, k, v, g=g, beta=beta, gate=self.spec.gate, erase=self.spec.erase,
+                                  options=self.options, **kw)
 
     # ------------------------------------------------------------------ public
     def __call__(self, x: Array, *, segment_ids: Optional[Array] = None) -> Array:
@@ -371,7 +450,7 @@ class MemoryMixer(nnx.Module):
         H, K, Vd = self.num_v_heads, self.head_dim, self.v_head_dim
         conv = (jnp.zeros((batch, self.conv_size - 1, self.conv_channels), dtype) if self.conv is not None else None)
         S = jnp.zeros((batch, H, K, Vd), jnp.float32)
-        state = (S, jnp.zeros((batch, H, K), jnp.float32)) if self.rule == "linear" else S
+        state = (S, jnp.zeros((batch, H, K), jnp.float32)) if self.spec.normalize else S
         return MemoryCache(conv, state)
 
     def prefill(self, x: Array, cache: MemoryCache, *, segment_ids: Optional[Array] = None):
@@ -389,12 +468,10 @@ class MemoryMixer(nnx.Module):
         self._check_cache("decode", cache, x_t.shape[0])
         q, k, v, g, beta, prefix = self._inputs(x_t[:, None], cache.conv, None)
         q, k, v = q[:, 0], k[:, 0], v[:, 0]
-        if self.rule == "linear":
+        if self.spec.normalize:
             o, state = memory.linear_attention_step(q, k, v, cache.state, normalize=True)
-        elif self.rule == "deltanet":
-            o, state = memory.delta_rule_step(q, k, v, beta[:, 0], cache.state)
-        elif self.rule == "gdn":
-            o, state = memory.gated_delta_rule_step(q, k, v, g[:, 0], beta[:, 0], cache.state)
         else:
-            o, state = memory.kda_step(q, k, v, g[:, 0], beta[:, 0], cache.state)
+            o, state = memory.update_rule_step(q, k, v, cache.state, g_t=None if g is None else g[:, 0],
+                                               beta_t=None if beta is None else beta[:, 0], gate=self.spec.gate,
+                                               erase=self.spec.erase)
         return self._output(o, x_t), MemoryCache(prefix, state)

@@ -7,6 +7,9 @@ plus the FFN (dense for the first ``first_dense_layers``, MoE after when
     S  softmax attention (GPT-2; GQA via num_kv_heads)     D  DeltaNet
     L  linear attention (elu+1, normalized)                G  Gated DeltaNet
     K  Kimi Delta Attention                                M  MLA
+
+The fixed-state letters (L D G K) are the rows of
+:data:`lineage_jax.layers.memory_mixer.RULES`: a row added there is a letter here.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import re
 from typing import Any, Optional
 
 from lineage_jax.layers.attention import Attention
-from lineage_jax.layers.memory_mixer import MemoryMixer
+from lineage_jax.layers.memory_mixer import RULES, MemoryMixer
 from lineage_jax.layers.mla import MLA
 from lineage_jax.layers.moe import MoE
 from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
@@ -26,7 +29,13 @@ from lineage_jax.memory.options import MemoryOptions
 from lineage_jax.memory.softmax import READS
 from lineage_jax.numerics import MATMUL_PRECISIONS
 
-MIXERS = {"S": "softmax", "L": "linear", "D": "deltanet", "G": "gdn", "K": "kda", "M": "mla"}
+# A layer's letter in `pattern` -> its mixer: softmax attention, each fixed-state rule, MLA.
+MIXERS = {"S": "softmax", **{r.letter: name for name, r in RULES.items()}, "M": "mla"}
+
+
+def _letters(pick) -> set[str]:
+    """The letters of the fixed-state rules for which ``pick(rule)`` holds."""
+    return {r.letter for r in RULES.values() if pick(r)}
 FFN_KINDS = ("gelu", "swiglu", "situ")
 # What a layer group keeps for the backward pass (lineage_jax.models.decoder.remat_policy):
 #   "none": everything (no rematerialisation; fastest, most memory);
@@ -223,8 +232,10 @@ class ModelConfig:
 
     def mixer_part(self, rule: str) -> "Part":
         """The arguments of :class:`~lineage_jax.layers.memory_mixer.MemoryMixer` for ``rule``
-        (``"linear"``, ``"deltanet"``, ``"gdn"`` or ``"kda"``: the ``L``, ``D``, ``G``, ``K`` layers)."""
-        delta = rule != "linear"
+        (a key of ``memory_mixer.RULES``: ``"linear"``, ``"deltanet"``, ``"gdn"``, ``"kda"``, the ``L``,
+        ``D``, ``G``, ``K`` layers). The fields of the rules' own settings (``kda_*``, ``gdn_output_gate``)
+        reach those rules only; the others take the rule's defaults."""
+        spec = RULES[rule]
         gates = {}
         if rule == "kda":
             gates = dict(output_gate=(self.kda_output_gate, "kda_output_gate"),
@@ -235,11 +246,12 @@ class ModelConfig:
                      dict(output_gate=("full", "gdn_output_gate"), gate_activation=(self.gdn_output_gate, "gdn_output_gate")))
         return Part("MemoryMixer", d_model=(self.d_model, "d_model"), rule=(rule, "pattern"),
                     num_heads=(self.num_heads, "num_heads"), head_dim=(self.resolved_head_dim, "head_dim"),
-                    conv_size=(self.conv_size if delta else 0, "conv_size"), kda_gate=(self.kda_gate, "kda_gate"),
+                    conv_size=(self.conv_size if spec.conv else 0, "conv_size"), kda_gate=(self.kda_gate, "kda_gate"),
                     gate_rank=(self.kda_gate_rank, "kda_gate_rank"), a_init=(self.decay_a_init, "decay_a_init"),
                     options=(self.memory_options, "memory_backend"), norm_eps=(self.mixer_norm_eps, "mixer_norm_eps"),
-                    silu_v=(self.silu_v, "silu_v"), allow_neg_eigval=(self.allow_neg_eigval and delta, "allow_neg_eigval"),
-                    num_v_heads=(self.num_v_heads if delta else None, "num_v_heads"), **gates)
+                    silu_v=(self.silu_v, "silu_v"),
+                    allow_neg_eigval=(self.allow_neg_eigval and spec.erase, "allow_neg_eigval"),
+                    num_v_heads=(None if spec.normalize else self.num_v_heads, "num_v_heads"), **gates)
 
     def moe_part(self) -> "Part":
         """The MoE layers' arguments of :class:`~lineage_jax.layers.moe.MoE`."""
@@ -397,16 +409,21 @@ def validate(c: ModelConfig) -> None:
         _fail("remat", f"must be one of {REMAT_POLICIES} (or a bool: True = 'full'), got {c.remat!r}")
     if c.decode_read not in READS:
         _fail("decode_read", f"must be one of {READS}, got {c.decode_read!r}")
-    if c.decay_a_init != "default" and not set(c.pattern) & {"G", "K"}:
-        _fail("decay_a_init", f"sets the GDN / KDA decay scale and this pattern has neither ({c.pattern!r})")
-    if c.num_v_heads not in (None, c.num_heads) and not set(c.pattern) & {"D", "G", "K"}:
-        _fail("num_v_heads", f"sets the delta rules' value heads and this pattern has none ({c.pattern!r})")
-    if c.allow_neg_eigval and not set(c.pattern) & {"D", "G", "K"}:
-        _fail("allow_neg_eigval", f"sets the delta rules' β and this pattern has none ({c.pattern!r})")
+    gated, grouped, erasing = (_letters(lambda r: r.gate != "none"), _letters(lambda r: not r.normalize),
+                               _letters(lambda r: r.erase))
+    if c.decay_a_init != "default" and not set(c.pattern) & gated:
+        _fail("decay_a_init", f"sets the gated rules' decay scale ({''.join(sorted(gated))}) and this pattern "
+                              f"has none ({c.pattern!r})")
+    if c.num_v_heads not in (None, c.num_heads) and not set(c.pattern) & grouped:
+        _fail("num_v_heads", f"sets the value heads of the rules without a normalized read "
+                             f"({''.join(sorted(grouped))}) and this pattern has none ({c.pattern!r})")
+    if c.allow_neg_eigval and not set(c.pattern) & erasing:
+        _fail("allow_neg_eigval", f"sets the erasing rules' β ({''.join(sorted(erasing))}) and this pattern "
+                                  f"has none ({c.pattern!r})")
     if c.kda_output_gate_bias and ("K" not in c.pattern or c.kda_output_gate == "none"):
         _fail("kda_output_gate_bias", "needs KDA layers ('K') with an output gate")
     # Each layer family: its part of the config, checked by the layer's own `check` (errors name the field).
-    for rule in ("linear", "deltanet", "gdn", "kda"):  # every rule: its fields are checked even when unused
+    for rule in RULES:  # every rule: its fields are checked even when unused
         c.mixer_part(rule).check(MemoryMixer.check)
     if "S" in c.pattern:
         c.attention_part().check(Attention.check)
