@@ -9,6 +9,7 @@ Prefill runs the prompt through every layer once (filling KV caches, MLA latent
 caches and recurrent states); decode then feeds one token at a time through each
 layer's cache. Sampling: temperature, top-k, top-p (nucleus). Output streams as it
 is generated; the tokens/s of prefill and decode are reported at the end.
+:func:`generate_batch` samples after several prompts of different lengths as one batch.
 
 :class:`ShardedDecoder` runs the same prefill / decode jitted on a device mesh, with the
 parameters in the sharding rules' layout and every cache split over the batch.
@@ -86,58 +87,112 @@ def sample_token(logits: jax.Array, key: jax.Array, *, temperature: float = 1.0,
     return jax.random.categorical(key, logits, axis=-1)
 
 
+def _check_prompt(fn: str, name: str, prompt, vocab_size: int) -> list[int]:
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__") or not len(prompt):
+        raise ValueError(f"{fn}: `{name}` must contain at least one token")
+    if not all(is_int(t) for t in prompt):
+        raise ValueError(f"{fn}: `{name}` must be a list of int token ids")
+    bad = [int(t) for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{fn}: `{name}` holds {len(bad)} id(s) outside [0, vocab_size={vocab_size}), "
+                         f"e.g. {bad[:5]}")
+    return [int(t) for t in prompt]
+
+
 def generate(model: Decoder, prompt: list[int], *, max_new_tokens: int = 100, temperature: float = 0.8,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: Optional[int] = None,
              on_token: Optional[Callable[[list[int]], None]] = None) -> tuple[list[int], dict]:
-    """Prefill ``prompt`` then sample up to ``max_new_tokens`` tokens (batch of one)."""
-    if not prompt:
-        raise ValueError("generate: `prompt` must contain at least one token")
+    """Prefill ``prompt`` then sample up to ``max_new_tokens`` tokens (batch of one; ``on_token`` gets the
+    tokens so far after each one). Returns ``(tokens, stats)``; see :func:`generate_batch`."""
+    prompt = _check_prompt("generate", "prompt", prompt, model.cfg.vocab_size)
+    outs, stats = _sample_rows("generate", model, [prompt], max_new_tokens=max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
+                               on_token=None if on_token is None else lambda rows: on_token(rows[0]))
+    return outs[0], stats
+
+
+def generate_batch(model: Decoder, prompts: list[list[int]], *, max_new_tokens: int = 100,
+                   temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                   eos_id: Optional[int] = None) -> tuple[list[list[int]], dict]:
+    """Sample up to ``max_new_tokens`` tokens after each of several prompts of any lengths, as one batch.
+
+    The rows advance together and without padding: the shortest prompt's length of every prompt is
+    prefilled in one call, then each decode step feeds every row its next prompt token while it has one
+    and its last sampled token after, so each layer's cache (KV, MLA latent, recurrent state, conv
+    history) holds exactly its row's tokens. A row stops at ``eos_id`` (kept) or after ``max_new_tokens``;
+    the call returns when every row has. With ``temperature=0`` each row is what :func:`generate` gives
+    its prompt alone (up to the rounding of the chunked against the one-token form); sampled rows draw
+    from one key per step.
+
+    Returns:
+      ``(tokens, stats)``: the new tokens of each row, and ``prompt_tokens`` / ``new_tokens`` (all rows),
+      ``prefill_s``, ``prefill_tokens_per_s``, ``decode_s``, ``first_decode_s`` (the first decode step,
+      which holds its compilation on a first call) and ``decode_tokens_per_s`` (tokens of all rows through
+      the decode steps after the first, a second).
+    """
+    fn = "generate_batch"
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"{fn}: `prompts` must be a non-empty list of prompts (lists of token ids)")
+    prompts = [_check_prompt(fn, f"prompts[{i}]", p, model.cfg.vocab_size) for i, p in enumerate(prompts)]
+    return _sample_rows(fn, model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, on_token=None)
+
+
+def _sample_rows(fn, model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, eos_id, on_token):
+    """The sampling loop of :func:`generate` and :func:`generate_batch` (checked prompts)."""
     cfg = model.cfg
-    if not all(is_int(t) for t in prompt):
-        raise ValueError("generate: `prompt` must be a list of int token ids")
-    bad = [int(t) for t in prompt if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise ValueError(f"generate: `prompt` holds {len(bad)} id(s) outside [0, vocab_size={cfg.vocab_size}), "
-                         f"e.g. {bad[:5]}")
     if not is_int(max_new_tokens) or max_new_tokens < 0:
-        raise ValueError(f"generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
+        raise ValueError(f"{fn}: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
     if not is_int(top_k) or not 0 <= top_k <= cfg.vocab_size:
-        raise ValueError(f"generate: `top_k` must be an int in [0, vocab_size={cfg.vocab_size}], got {top_k!r}")
+        raise ValueError(f"{fn}: `top_k` must be an int in [0, vocab_size={cfg.vocab_size}], got {top_k!r}")
     if not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
-        raise ValueError(f"generate: `temperature` must be finite and >= 0, got {temperature!r}")
+        raise ValueError(f"{fn}: `temperature` must be finite and >= 0, got {temperature!r}")
     if not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
-        raise ValueError(f"generate: `top_p` must be in (0, 1], got {top_p!r}")
-    max_len = len(prompt) + max_new_tokens
+        raise ValueError(f"{fn}: `top_p` must be in (0, 1], got {top_p!r}")
+    if eos_id is not None and not is_int(eos_id):
+        raise ValueError(f"{fn}: `eos_id` must be an int token id or None, got {eos_id!r}")
+    lens = np.array([len(p) for p in prompts])
+    B, first, longest = len(prompts), int(lens.min()), int(lens.max())
+    max_len = longest + max_new_tokens
     if cfg.positions == "learned" and max_len > cfg.max_seq_len:
-        raise ValueError(f"generate: prompt + max_new_tokens = {max_len} exceeds max_seq_len={cfg.max_seq_len}")
+        name = "prompt" if fn == "generate" else "the longest prompt"
+        raise ValueError(f"{fn}: {name} + max_new_tokens = {max_len} exceeds max_seq_len={cfg.max_seq_len}")
+    ids = np.zeros((B, longest), np.int32)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = p
     state, prefill, decode = inference_steps(model)   # split once, cache donated
-    sample = _SAMPLE
     key = jax.random.key(seed)
-    cache = model.init_cache(1, max_len)
+    cache = model.init_cache(B, max_len)
     t0 = time.perf_counter()
-    logits, cache = prefill(state, jnp.asarray([prompt], jnp.int32), cache)
+    logits, cache = prefill(state, jnp.asarray(ids[:, :first]), cache)
     logits = logits[:, -1]
     jax.block_until_ready(logits)
     t1 = time.perf_counter()
-    out: list[int] = []
-    times = []  # when each token was sampled
-    for _ in range(max_new_tokens):
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = np.full(B, max_new_tokens == 0)
+    times = []  # when each step's tokens were sampled
+    pos = first  # the position the latest logits predict
+    while not done.all():
         key, sub = jax.random.split(key)
-        tok = sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
-        out.append(int(tok[0]))
+        sampled = np.asarray(_SAMPLE(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p))
         times.append(time.perf_counter())
+        for b in np.flatnonzero(~done & (pos >= lens)):
+            out[b].append(int(sampled[b]))
+            done[b] = len(out[b]) == max_new_tokens or out[b][-1] == eos_id
         if on_token is not None:
             on_token(out)
-        if eos_id is not None and out[-1] == eos_id:
+        if done.all():
             break
-        logits, cache = decode(state, tok.astype(jnp.int32), cache)
+        feed = np.where(pos < lens, ids[:, min(pos, longest - 1)], sampled).astype(np.int32)
+        logits, cache = decode(state, jnp.asarray(feed), cache)
+        pos += 1
     t2 = time.perf_counter()
-    # the first decode step (between the first two tokens) compiles it on a first call: the rate is the rest's
+    # the first decode step (between the first two samples) compiles it on a first call: the rate is the rest's
     steady = len(times) - 2
-    stats = {"prompt_tokens": len(prompt), "new_tokens": len(out), "prefill_s": t1 - t0,
-             "prefill_tokens_per_s": len(prompt) / max(t1 - t0, 1e-9), "decode_s": t2 - t1,
+    stats = {"prompt_tokens": int(lens.sum()), "new_tokens": sum(map(len, out)), "prefill_s": t1 - t0,
+             "prefill_tokens_per_s": B * first / max(t1 - t0, 1e-9), "decode_s": t2 - t1,
              "first_decode_s": times[1] - times[0] if len(times) > 1 else 0.0,
-             "decode_tokens_per_s": steady / max(times[-1] - times[1], 1e-9) if steady > 0 else 0.0}
+             "decode_tokens_per_s": B * steady / max(times[-1] - times[1], 1e-9) if steady > 0 else 0.0}
     return out, stats
 
 

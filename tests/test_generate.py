@@ -1,10 +1,12 @@
-"""lineage_jax.generate: sampling reuses the jitted steps across calls and models of one structure, and its
-statistics keep the decode step's compilation out of the decode rate."""
+"""lineage_jax.generate: sampling reuses the jitted steps across calls and models of one structure, its
+statistics keep the decode step's compilation out of the decode rate, and prompts of different lengths
+sample as one batch."""
 
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
-from lineage_jax.generate import generate
+from lineage_jax.generate import generate, generate_batch
 from lineage_jax.models import Decoder, get_config
 from lineage_jax.models.decoder import _jitted_steps
 
@@ -29,3 +31,38 @@ def test_a_second_model_of_the_same_config_reuses_the_compiled_steps():
     assert out_a == _greedy(a, [1, 2, 3], 6) and out_b == _greedy(b, [1, 2, 3], 6)  # each with its own weights
     assert set(stats) >= {"first_decode_s", "decode_tokens_per_s", "prefill_tokens_per_s"}
     assert stats["new_tokens"] == 6 and stats["decode_tokens_per_s"] > 0
+
+
+def _until_eos(tokens, eos_id):
+    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt2", "tiny_kimi_linear"])
+def test_generate_batch_rows_are_their_prompts_alone(name):
+    """Prompts of three lengths in one batch: each row's greedy tokens are its prompt's own greedy
+    continuation (the full forward pass, no cache), through KV caches and learned positions (tiny_gpt2) and
+    KDA states, conv histories, MLA latent caches, MoE and AttnRes (tiny_kimi_linear)."""
+    model = Decoder(get_config(name), rngs=nnx.Rngs(0))
+    prompts = [[5, 9], [1, 2, 3, 4, 200, 6, 7], [11, 12, 13, 14]]
+    want = [_greedy(model, p, 5) for p in prompts]
+    out, stats = generate_batch(model, prompts, max_new_tokens=5, temperature=0.0)
+    assert out == want
+    assert stats["prompt_tokens"] == 13 and stats["new_tokens"] == 15 and stats["decode_tokens_per_s"] > 0
+    # a row stops at its eos (kept); the others go on
+    eos = want[1][1]
+    out, stats = generate_batch(model, prompts, max_new_tokens=5, temperature=0.0, eos_id=eos)
+    assert out == [_until_eos(w, eos) for w in want] and out[1][-1] == eos and len(out[1]) <= 2
+    assert stats["new_tokens"] == sum(map(len, out))
+
+
+def test_generate_batch_refuses_bad_prompts():
+    model = Decoder(get_config("tiny_gpt2"), rngs=nnx.Rngs(0))
+    for prompts, match in (([], "`prompts` must be a non-empty list"), ([[1], []], r"`prompts\[1\]` must contain"),
+                           ([[1], [2, 256]], r"`prompts\[1\]` holds 1 id"), ("abc", "`prompts` must be"),
+                           ([[1.5]], r"`prompts\[0\]` must be a list of int")):
+        with pytest.raises(ValueError, match=match):
+            generate_batch(model, prompts, max_new_tokens=2)
+    with pytest.raises(ValueError, match="the longest prompt"):
+        generate_batch(model, [[1], [2] * 500], max_new_tokens=20)
+    with pytest.raises(ValueError, match="`eos_id`"):
+        generate_batch(model, [[1]], max_new_tokens=2, eos_id="2")
