@@ -59,15 +59,16 @@ def _cache_capacity(layers) -> Optional[int]:
     return min(sizes) if sizes else None
 
 
-def _poison_overflow(logits: Array, cache: DecoderCache, new_tokens: int) -> Array:
-    """``logits [B, T, vocab]`` with NaN in the rows whose attention caches overflow with ``new_tokens`` more
-    (under ``jit`` the lengths are traced and cannot be refused: a full cache is overwritten in its last slot,
-    so those rows' logits would be wrong without a sign)."""
+def _poison_overflow(h: Array, cache: DecoderCache, new_tokens: int) -> Array:
+    """The final hidden states ``h [B, T, D]`` with NaN in the rows whose attention caches overflow with
+    ``new_tokens`` more, so those rows' logits are NaN (under ``jit`` the lengths are traced and cannot be
+    refused: a full cache is overwritten in its last slot, so the logits would be wrong without a sign).
+    Marked before the LM head: a ``[B, T, D]`` select, not one over the vocabulary."""
     capacity = _cache_capacity(cache.layers)
     if capacity is None:
-        return logits
+        return h
     over = cache.length + new_tokens > capacity                               # [B]
-    return jnp.where(over[:, None, None], jnp.nan, logits)
+    return jnp.where(over[:, None, None], jnp.nan, h)
 
 
 def _norm(cfg: ModelConfig, rngs: nnx.Rngs):
@@ -493,7 +494,7 @@ class Decoder(nnx.Module):
         _validate.check_segment_ids("Decoder.prefill", segment_ids, B, T)
         positions = cache.length[:, None] + jnp.arange(T)[None, :]
         h, layers, _ = self._run(self.embed_tokens(tokens, positions), cache.layers, "prefill", segment_ids)
-        return _poison_overflow(self.output_logits(h), cache, T), DecoderCache(layers, cache.length + T)
+        return self.output_logits(_poison_overflow(h, cache, T)), DecoderCache(layers, cache.length + T)
 
     @_at_model_precision
     def decode(self, token: Array, cache: DecoderCache):
@@ -501,7 +502,7 @@ class Decoder(nnx.Module):
         self._check_tokens("decode", token, 1)
         self._check_cache("decode", cache, token.shape[0], 1)
         h, layers, _ = self._run(self.embed_tokens(token[:, None], cache.length[:, None]), cache.layers, "decode", None)
-        return _poison_overflow(self.output_logits(h), cache, 1)[:, 0], DecoderCache(layers, cache.length + 1)
+        return self.output_logits(_poison_overflow(h, cache, 1))[:, 0], DecoderCache(layers, cache.length + 1)
 
     def moe_layers(self):
         """``(group_index, macro_position, MoE module)`` for every MoE FFN (stacked for scanned groups)."""
