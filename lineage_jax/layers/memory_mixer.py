@@ -2,8 +2,9 @@
 
 They share everything but the switches of the update equation
 (:func:`lineage_jax.memory.update_rule`), so one module builds every rule from one row of
-:data:`RULES` (a :class:`Rule`); a new fixed-state mixer is a new row — its letter in a
-``ModelConfig.pattern``, its parameters, its accounting and its decode step follow from it:
+:data:`RULES` (a :class:`Rule`); a new fixed-state mixer is a new row (here, or at run time with
+:func:`lineage_jax.models.register_rule`) — its letter in a ``ModelConfig.pattern``, its parameters,
+its accounting and its decode step follow from it:
 
     x ─┬─ W_q, W_k, W_v ─ [short causal conv + SiLU] ─ feature map ─┐
        ├─ W_β ─ σ ─────────────────────────────────────── β ────────┤   (rules that erase)

@@ -21,7 +21,7 @@ import re
 from typing import Any, Optional
 
 from lineage_jax.layers.attention import Attention
-from lineage_jax.layers.memory_mixer import RULES, MemoryMixer
+from lineage_jax.layers.memory_mixer import RULES, MemoryMixer, Rule, check_rules
 from lineage_jax.layers.mla import MLA
 from lineage_jax.layers.moe import MoE
 from lineage_jax.memory.fused import IMPLS as ATTENTION_IMPLS
@@ -31,6 +31,25 @@ from lineage_jax.numerics import MATMUL_PRECISIONS
 
 # A layer's letter in `pattern` -> its mixer: softmax attention, each fixed-state rule, MLA.
 MIXERS = {"S": "softmax", **{r.letter: name for name, r in RULES.items()}, "M": "mla"}
+
+
+def register_rule(name: str, rule: Rule) -> None:
+    """Add a fixed-state mixer at run time: ``rule`` becomes ``MemoryMixer(rule=name)`` and the pattern
+    letter ``rule.letter`` of every ``ModelConfig`` (the Decoder, the checks and the accounting read it
+    from here on). For example GLA, a per-channel decay without erasing:
+    ``register_rule("gla", Rule("X", gate="channel", erase=False, output_gate="full"))``. A run that
+    uses the letter registers it again in a new process before its config is read (resume, ``generate``).
+    Raises ``ValueError`` for a name or letter already taken or an inconsistent row."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"register_rule: `name` must be an identifier string, got {name!r}")
+    if name in RULES or name in MIXERS.values():
+        raise ValueError(f"register_rule: `name` {name!r} is taken (mixers: {sorted(set(MIXERS.values()))})")
+    try:
+        check_rules({**RULES, name: rule})
+    except ValueError as e:
+        raise ValueError(f"register_rule: {e}") from None
+    RULES[name] = rule
+    MIXERS[rule.letter] = name
 
 
 def _letters(pick) -> set[str]:

@@ -1,5 +1,6 @@
 """The fixed-state mixers are rows of one table (``memory_mixer.RULES``): each named row is the setting of
-the update equation its memory function computes, and a new row is a new mixer end to end."""
+the update equation its memory function computes, and a row registered at run time is a new mixer end to
+end."""
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +9,9 @@ import pytest
 from flax import nnx
 
 from lineage_jax import accounting, memory
-from lineage_jax.layers import memory_mixer
 from lineage_jax.layers.memory_mixer import RULES, MemoryMixer, Rule, check_rules
 from lineage_jax.models import config as config_module
-from lineage_jax.models import Decoder, get_config
+from lineage_jax.models import Decoder, get_config, register_rule
 
 D = 24
 inputs = nnx.jit(lambda m, x: m._inputs(x, None, None)[:5])  # the layer's (q, k, v, g, beta)
@@ -48,12 +48,14 @@ GLA = Rule("X", gate="channel", erase=False, output_gate="full", gate_activation
 
 
 @pytest.fixture
-def gla(monkeypatch):
-    """A row added to the table: gated linear attention (per-channel decay, no erasing). In the source the
-    pattern letters are built from the table at import, so a row added there is both of these edits."""
-    monkeypatch.setitem(memory_mixer.RULES, "gla", GLA)
-    monkeypatch.setitem(config_module.MIXERS, "X", "gla")
-    return "gla"
+def gla():
+    """A row added at run time: gated linear attention (per-channel decay, no erasing)."""
+    rules, mixers = dict(RULES), dict(config_module.MIXERS)
+    register_rule("gla", GLA)
+    yield "gla"
+    for table, saved in ((RULES, rules), (config_module.MIXERS, mixers)):
+        table.clear()
+        table.update(saved)
 
 
 def test_a_new_row_is_a_mixer(gla):
@@ -106,3 +108,14 @@ def test_bad_rows_are_refused(row, match):
     with pytest.raises(ValueError, match=match):
         check_rules({**RULES, "new": row})
     check_rules(RULES)
+
+
+def test_register_rule_refuses_taken_names_and_letters(gla):
+    for name, row, match in (("gla", Rule("Y"), "is taken"), ("mla", Rule("Y"), "is taken"),
+                             ("kda2", Rule("K"), "letter"), ("two words", Rule("Y"), "identifier"),
+                             ("bad", Rule("Y", normalize=True), "register_rule: .*normalized read")):
+        with pytest.raises(ValueError, match=match):
+            register_rule(name, row)
+    assert "bad" not in RULES and "Y" not in config_module.MIXERS  # nothing half-registered
+    with pytest.raises(ValueError, match="unknown letter"):
+        get_config("tiny_gdn", pattern="YG")
