@@ -39,9 +39,12 @@ def register_rule(name: str, rule: Rule) -> None:
     from here on). For example GLA, a per-channel decay without erasing:
     ``register_rule("gla", Rule("X", gate="channel", erase=False, output_gate="full"))``. A run that
     uses the letter registers it again in a new process before its config is read (resume, ``generate``).
-    Raises ``ValueError`` for a name or letter already taken or an inconsistent row."""
+    Registering the same row under the same name again does nothing; ``ValueError`` for a name or letter
+    already taken by another row, or an inconsistent row."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"register_rule: `name` must be an identifier string, got {name!r}")
+    if RULES.get(name) == rule and isinstance(rule, Rule) and MIXERS.get(rule.letter) == name:
+        return  # the same row again (a module imported twice, a notebook cell rerun)
     if name in RULES or name in MIXERS.values():
         raise ValueError(f"register_rule: `name` {name!r} is taken (mixers: {sorted(set(MIXERS.values()))})")
     try:

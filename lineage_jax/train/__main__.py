@@ -8,6 +8,8 @@ Rerunning the same command resumes exactly from the latest checkpoint in DIR; a 
 ``--steps`` extends a finished run; a run directory moved or copied elsewhere resumes there.
 Without ``--config`` and ``--init-from-hf``, a DIR holding a run resumes with the settings its
 ``config.json`` records (``--steps N --workdir DIR`` is enough).
+``--import MODULE`` imports a module of one's own first (recorded, and imported again on resume): one that
+adds a mixer with ``lineage_jax.models.register_rule`` makes its letter a valid ``--set pattern=...``.
 Every argument is checked before anything is written.
 """
 
@@ -22,7 +24,7 @@ from typing import Optional
 from lineage_jax.models import config_names, get_config
 from lineage_jax.parallel import maybe_initialize_distributed, parse_mesh_spec
 from lineage_jax.train.checkpoint import CheckpointError, NonFiniteStateError
-from lineage_jax.train.config import TrainConfig, apply_overrides
+from lineage_jax.train.config import TrainConfig, apply_overrides, import_modules
 from lineage_jax.train.inputs import make_data
 from lineage_jax.train.loop import InitFromHFError, check_lengths, check_workdir, run_configs, train
 from lineage_jax.train.step import make_parallel
@@ -30,7 +32,7 @@ from lineage_jax.train.step import make_parallel
 
 # TrainConfig fields that the command line sets with their own flags (and checks there)
 _FLAG_FIELDS = {"config": "--config", "init_from_hf": "--init-from-hf", "steps": "--steps", "workdir": "--workdir",
-                "data": "--data", "mesh": "--mesh"}
+                "data": "--data", "mesh": "--mesh", "imports": "--import"}
 
 
 def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
@@ -55,6 +57,10 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     p.add_argument("--mesh", default=None,
                    help="device mesh over all devices of all processes, e.g. data=2,fsdp=1,tensor=1,expert=4 "
                         "(axes left out are 1; one axis may be -1 = the rest); --set batch_size is the global batch")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import this Python module before the model config is read (repeatable; recorded, and "
+                        "imported again on resume), e.g. one that adds a mixer with "
+                        "lineage_jax.models.register_rule")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a TrainConfig or ModelConfig field (repeatable), e.g. --set lr=1e-3 --set d_model=128")
     args = p.parse_args(argv)
@@ -62,6 +68,12 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
         p.error(f"--steps must be a positive number of steps, got {args.steps}")
     if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
         p.error(f"--workdir {args.workdir!r} is a file, not a directory")
+    imports = ",".join(args.imports)
+    try:
+        TrainConfig(imports=imports)  # module names checked before any is imported
+        import_modules(imports)
+    except ValueError as e:
+        p.error(str(e).replace("TrainConfig.imports", "--import"))
     if args.init_from_hf is not None:
         if args.config is not None:
             p.error("--config and --init-from-hf exclude each other (the checkpoint's config.json is the model config)")
@@ -92,6 +104,8 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
         base = {"config": config_name, "steps": args.steps, "workdir": args.workdir}
     if args.init_from_hf is not None:
         base["init_from_hf"] = os.path.abspath(args.init_from_hf)
+    if args.imports:
+        base["imports"] = imports
     if args.data is not None:
         base["data"] = args.data
     if args.mesh is not None:

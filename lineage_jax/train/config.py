@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import numbers
 import typing
@@ -45,6 +46,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     mesh: str = ""  # e.g. "data=2,expert=4" (see lineage_jax.parallel)
     init_from_hf: str = ""  # a transformers checkpoint directory whose weights start the run (lineage_jax.hf)
+    # Comma-separated Python modules imported before the model config is read, on every start and resume:
+    # a module of the researcher's own that adds mixers (lineage_jax.models.register_rule).
+    imports: str = ""
     progress: bool = True
     # Bitwise-reproducible steps on GPUs (XLA's deterministic ops: ordered scatter-adds and
     # reductions, no autotuning by timing); a few percent slower. CPUs are deterministic anyway.
@@ -54,7 +58,8 @@ class TrainConfig:
         for f in ("progress", "deterministic"):  # a truthy string such as "false" must not read as True
             if not isinstance(getattr(self, f), (bool, np.bool_)):
                 raise ValueError(f"TrainConfig.{f}: must be True or False, got {getattr(self, f)!r}")
-        for f in ("config", "workdir", "optimizer", "moe_bias_rule", "data", "tokenizer", "mesh", "init_from_hf"):
+        for f in ("config", "workdir", "optimizer", "moe_bias_rule", "data", "tokenizer", "mesh", "init_from_hf",
+                  "imports"):
             if not isinstance(getattr(self, f), str):
                 raise ValueError(f"TrainConfig.{f}: must be a str, got {getattr(self, f)!r}")
         for f in ("config", "workdir", "data"):
@@ -85,6 +90,23 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.moe_bias_rule: must be 'sign', 'quantile' or 'none', got {self.moe_bias_rule!r}")
         if self.tokenizer not in ("byte", "gpt2"):
             raise ValueError(f"TrainConfig.tokenizer: must be 'byte' or 'gpt2', got {self.tokenizer!r}")
+        for name in module_names(self.imports):
+            if not all(part.isidentifier() for part in name.split(".")):
+                raise ValueError(f"TrainConfig.imports: {name!r} is not a module name (comma-separated dotted names)")
+
+
+def module_names(imports: str) -> list[str]:
+    """The module names of a ``TrainConfig.imports`` string."""
+    return [name.strip() for name in imports.split(",") if name.strip()]
+
+
+def import_modules(imports: str) -> None:
+    """Import the modules ``TrainConfig.imports`` names (in order); ``ValueError`` naming the one that fails."""
+    for name in module_names(imports):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # an ImportError or the module's own error: name the module either way
+            raise ValueError(f"TrainConfig.imports: importing {name!r} failed ({type(e).__name__}: {e})") from None
 
 
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}

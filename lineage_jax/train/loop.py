@@ -23,7 +23,7 @@ import numpy as np
 from lineage_jax import accounting
 from lineage_jax.models import ModelConfig
 from lineage_jax.train.checkpoint import Checkpointer
-from lineage_jax.train.config import TrainConfig
+from lineage_jax.train.config import TrainConfig, import_modules
 from lineage_jax.train.step import init_state, jit_steps, make_parallel
 
 # Dense bf16 peak FLOP/s by device kind, for MFU (None: unknown -> MFU not reported).
@@ -70,15 +70,24 @@ RESUMABLE_MODEL_CHANGES = {"scan_unroll"}
 
 def run_configs(workdir: str) -> Optional[tuple[TrainConfig, ModelConfig]]:
     """The configs a run directory records in its ``config.json`` (None: no run there); ``ValueError`` naming
-    the directory where that file is unreadable."""
+    the directory where that file is unreadable. The run's ``imports`` are imported before its model config
+    is read (a mixer they register is a letter of its pattern)."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         return None
     try:
         with open(path) as f:
             record = json.load(f)
-        return TrainConfig(**record["train"]), ModelConfig(**record["model"])
+        train_cfg = TrainConfig(**record["train"])
     except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--workdir {workdir!r}: its config.json is unreadable ({type(e).__name__}: {e})") from None
+    try:
+        import_modules(train_cfg.imports)
+    except ValueError as e:
+        raise ValueError(f"--workdir {workdir!r}: the run's {e}") from None
+    try:
+        return train_cfg, ModelConfig(**record["model"])
+    except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"--workdir {workdir!r}: its config.json is unreadable ({type(e).__name__}: {e})") from None
 
 
@@ -104,7 +113,10 @@ def check_workdir(train_cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     if isinstance(old_model.get("remat"), bool):  # older runs spelled the remat policy as a bool
         old_model["remat"] = "full" if old_model["remat"] else "none"
     train_rec = dataclasses.asdict(train_cfg)
-    diff = sorted(k for k in train_rec if k not in RESUMABLE_CHANGES and old_train.get(k) != train_rec[k])
+    # a field a run's config.json lacks was added later: that run had its default
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    diff = sorted(k for k in train_rec
+                  if k not in RESUMABLE_CHANGES and old_train.get(k, defaults[k]) != train_rec[k])
     diff += sorted(f"model.{k}" for k in new_model
                    if k in old_model and k not in RESUMABLE_MODEL_CHANGES and old_model[k] != new_model[k])
     if diff:

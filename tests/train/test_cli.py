@@ -210,3 +210,63 @@ def test_help_describes_every_option(capsys):
         train_main(["--help"])
     out = capsys.readouterr().out
     assert "total optimizer steps" in out and "the run's directory" in out
+
+
+def test_a_mixer_of_ones_own_trains_resumes_and_generates(tmp_path, monkeypatch, capsys):
+    """`--import` a module that registers a mixer: its letter trains, the run records the import, and a
+    resume from the run directory alone (tables and module gone, as in a new process) imports it again."""
+    import sys
+
+    from flax import nnx
+
+    from lineage_jax.layers.memory_mixer import RULES, MemoryMixer
+    from lineage_jax.models import MIXERS
+
+    (tmp_path / "my_rules.py").write_text(
+        "from lineage_jax.layers.memory_mixer import Rule\n"
+        "from lineage_jax.models import register_rule\n"
+        "register_rule('gla_cli', Rule('Q', gate='channel', erase=False, output_gate='full'))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved = [(table, dict(table)) for table in (RULES, MIXERS)]
+
+    def forget():  # a new process: the library's own tables, the module not imported
+        for table, items in saved:
+            table.clear()
+            table.update(items)
+        sys.modules.pop("my_rules", None)
+
+    wd = str(tmp_path / "run")
+    try:
+        assert train_main(["--config", "tiny_gdn", "--steps", "2", "--workdir", wd, "--import", "my_rules",
+                           "--set", "pattern=QG", "--data", "mqar", *SMALL]) == 0
+        assert json.load(open(tmp_path / "run" / "config.json"))["train"]["imports"] == "my_rules"
+        forget()
+        assert train_main(["--steps", "3", "--workdir", wd]) == 0
+        steps = [l["step"] for l in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in l]
+        assert steps == [1, 2, 3]
+        forget()
+        model, _ = G.load(wd)
+        assert model.cfg.pattern == "QG"
+        assert [m.rule for _, m in nnx.iter_graph(model) if isinstance(m, MemoryMixer)] == ["gla_cli", "gdn"]
+        forget()
+        capsys.readouterr()
+        assert G.main(["--workdir", wd, "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--temperature", "0"]) == 0
+        assert "decode 3 tok" in capsys.readouterr().err
+    finally:
+        forget()
+    capsys.readouterr()
+    for module, match in (("no_such_module_here", "--import: importing 'no_such_module_here' failed"),
+                          ("two words", "--import: 'two words' is not a module name")):
+        with pytest.raises(SystemExit):
+            train_main(["--config", "tiny_gdn", "--steps", "1", "--workdir", str(tmp_path / "x"), "--import", module])
+        assert match in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_run_whose_import_is_gone_is_refused_by_name(tmp_path, capsys):
+    wd = tmp_path / "run"
+    wd.mkdir()
+    (wd / "config.json").write_text(json.dumps({"train": {"imports": "gone_module_of_a_run"}, "model": {}}))
+    with pytest.raises(SystemExit):
+        train_main(["--steps", "2", "--workdir", str(wd)])
+    assert "the run's TrainConfig.imports: importing 'gone_module_of_a_run' failed" in capsys.readouterr().err
