@@ -40,7 +40,7 @@ def run_block(code: str, tmp_path: Path, monkeypatch) -> dict:
 
 def test_every_page_has_the_examples_this_file_runs():
     assert len(python_blocks("README.md")) == 1
-    assert len(python_blocks("docs/guide.md")) == 3
+    assert len(python_blocks("docs/guide.md")) == 4
     assert len(python_blocks("docs/parallelism.md")) == 1
 
 
@@ -56,10 +56,29 @@ def test_first_use(page, tmp_path, monkeypatch):
         assert ns["o_attn"].shape == (B, T, H, V)
 
 
+def test_guide_own_mixer_example(tmp_path, monkeypatch, capsys):
+    """A registered GLA row builds the 3:1 hybrid; its decode step after a prefill gives the forward's logits,
+    and the printed state size is the accounting's (6 GLA layers of H·K·K float32, no normalizer)."""
+    from lineage_jax.layers.memory_mixer import RULES
+    from lineage_jax.models import MIXERS
+
+    saved = [(table, dict(table)) for table in (RULES, MIXERS)]
+    try:
+        ns = run_block(python_blocks("docs/guide.md")[1], tmp_path, monkeypatch)
+    finally:  # the library's own tables for the tests after this one
+        for table, items in saved:
+            table.clear()
+            table.update(items)
+    cfg = ns["cfg"]
+    np.testing.assert_allclose(ns["last"], ns["logits"][:, 23], rtol=1e-4, atol=1e-4)
+    H, K = cfg.num_heads, cfg.resolved_head_dim
+    assert capsys.readouterr().out == f"{6 * H * K * K * 4} bytes of state a sequence\n"
+
+
 def test_guide_checkpoint_example(tmp_path, monkeypatch, capsys):
     """hf.load matches transformers' logits (~1e-6), the greedy token after the prompt is transformers' own,
     and hf.save writes a checkpoint that loads back to the same logits."""
-    ns = run_block(python_blocks("docs/guide.md")[1], tmp_path, monkeypatch)
+    ns = run_block(python_blocks("docs/guide.md")[2], tmp_path, monkeypatch)
     # the printed relative difference; a Kimi Linear model: the compiled delta-rule kernels on a GPU
     assert float(capsys.readouterr().out) < tolerance(1e-5, kernels=True)
     ref = ns["ref"]
@@ -72,7 +91,7 @@ def test_guide_checkpoint_example(tmp_path, monkeypatch, capsys):
 
 def test_guide_probe_and_decode_example(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT))  # the example imports experiments.decode_scaling
-    ns = run_block(python_blocks("docs/guide.md")[2], tmp_path, monkeypatch)
+    ns = run_block(python_blocks("docs/guide.md")[3], tmp_path, monkeypatch)
     out = capsys.readouterr().out
     assert re.fullmatch(r"accuracy \d\.\d\d, \d+\.\d\d ms per decode step\n", out), out
     assert 0.0 <= ns["acc"] <= 1.0 and ns["ms"] > 0
