@@ -342,9 +342,11 @@ class PasskeyNIAH(_Task):
 
 def _probe_vocab_check(vocab_size, keys_needed: int, what: str) -> None:
     _int("vocab_size", vocab_size, 4)
-    keys, _ = _key_value_ranges(vocab_size)
+    keys, values = _key_value_ranges(vocab_size)
     if len(keys) < keys_needed:
         raise ValueError(f"vocab_size: {vocab_size} gives {len(keys)} keys, fewer than the {keys_needed} {what}")
+    if len(values) < 2:  # a re-bound key takes a value other than its current one
+        raise ValueError(f"vocab_size: {vocab_size} gives {len(values)} value token(s); the probes need at least 2")
 
 
 @dataclasses.dataclass(frozen=True)

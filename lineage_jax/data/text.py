@@ -8,12 +8,14 @@ A *corpus* is a random-access sequence of documents (``len(c)``, ``c[i] -> str``
 the tokenizer's EOS id, plus the end offset of every document. ``packing.py``
 cuts that stream into training rows.
 
-Train/validation split (directory corpora, the stdlib): a file is in "val" when
-the first 8 bytes of ``sha256(relative posix path)``, read as a fraction of
+Train/validation split: a file of a directory corpus or of the stdlib is in "val"
+when the first 8 bytes of ``sha256(relative posix path)``, read as a fraction of
 2**64, fall below ``val_fraction``; so the split depends only on file names,
 is stable when files are added, and is the same on every host. If no file
 falls below, the file with the smallest hash is the validation set (val is
-never empty); a corpus needs at least two files.
+never empty); a corpus needs at least two files. ArrayRecord corpora split their
+records the same way by name (``record_<i>``, ``i`` the record's index over the
+files in the order given), so records appended later do not move earlier ones.
 
 The stdlib corpus is every ``*.py`` under ``sysconfig.get_paths()["stdlib"]``
 except ``site-packages``/``dist-packages``, test directories (``test``,
@@ -68,6 +70,19 @@ def _path_hash_fraction(rel: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
+def _in_split(names: Sequence[str], split: str, val_fraction: float, what: str, noun: str) -> list[bool]:
+    """For each of ``names`` (distinct), whether it belongs to ``split`` ("train" or "val")."""
+    if len(names) < 2:
+        raise ValueError(f"{what}: need at least 2 {noun} to split train/val, got {len(names)}")
+    frac = [_path_hash_fraction(n) for n in names]
+    val = [f < val_fraction for f in frac]
+    if not any(val):
+        val[int(np.argmin(frac))] = True
+    if all(val):  # only possible with a huge val_fraction and few names
+        val[int(np.argmax(frac))] = False
+    return [v == (split == "val") for v in val]
+
+
 def split_files(rel_paths: Sequence[str], split: str, val_fraction: float = 0.02) -> list[str]:
     """The sorted subset of ``rel_paths`` (posix, relative) belonging to ``split``."""
     _check_split(split)
@@ -75,15 +90,7 @@ def split_files(rel_paths: Sequence[str], split: str, val_fraction: float = 0.02
     paths = sorted(set(rel_paths))
     if split == "all":
         return paths
-    if len(paths) < 2:
-        raise ValueError(f"rel_paths: need at least 2 files to split train/val, got {len(paths)}")
-    frac = {p: _path_hash_fraction(p) for p in paths}
-    val = {p for p in paths if frac[p] < val_fraction}
-    if not val:
-        val = {min(paths, key=lambda p: frac[p])}
-    if len(val) == len(paths):  # only possible with a huge val_fraction and few files
-        val.discard(max(paths, key=lambda p: frac[p]))
-    return [p for p in paths if (p in val) == (split == "val")]
+    return [p for p, keep in zip(paths, _in_split(paths, split, val_fraction, "rel_paths", "files")) if keep]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,10 +197,17 @@ def write_array_record(path: Union[str, os.PathLike], documents: Iterable[str], 
 
 
 class ArrayRecordCorpus:
-    """Documents stored as UTF-8 records in one or more ArrayRecord files (in the given order)."""
+    """Documents stored as UTF-8 records in one or more ArrayRecord files (in the given order).
 
-    def __init__(self, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]):
+    ``split``: "all" (every record), or "train" / "val": the records of that split by the hash of their
+    names (``record_<i>``; see the module docstring), in record order."""
+
+    def __init__(self, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], split: str = "all",
+                 val_fraction: float = 0.02):
         from grain.sources import ArrayRecordDataSource
+
+        _check_split(split)
+        _check_fraction(val_fraction)
 
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
@@ -203,18 +217,21 @@ class ArrayRecordCorpus:
         missing = [p for p in paths if not os.path.isfile(p)]
         if missing:
             raise ValueError(f"paths: not found: {missing}")
-        self.paths = tuple(paths)
+        self.paths, self.split = tuple(paths), split
         self._source = ArrayRecordDataSource(list(self.paths))
+        every = [f"record_{i}" for i in range(len(self._source))]
+        keep = [True] * len(every) if split == "all" else _in_split(every, split, val_fraction, "paths", "records")
+        self._index = np.flatnonzero(keep)
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(f"record_{i}" for i in range(len(self)))
+        return tuple(f"record_{i}" for i in self._index)
 
     def __len__(self) -> int:
-        return len(self._source)
+        return len(self._index)
 
     def __getitem__(self, index: int) -> str:
-        return self._source[index].decode("utf-8", errors="replace")
+        return self._source[int(self._index[index])].decode("utf-8", errors="replace")
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -230,6 +247,8 @@ class TokenizedCorpus:
     tokens: ``[N]`` uint8 (vocab <= 256), uint16 (vocab <= 65536) or int32; the stream.
     doc_ends: int64 ``[D]``; ``tokens[doc_ends[i] - 1]`` is document i's EOS, and
         document i occupies ``tokens[doc_ends[i-1]:doc_ends[i]]`` (EOS included).
+    Checked when made (or loaded): ids in ``[0, vocab_size)``, ends increasing, and EOS exactly at
+    the ends — packing relies on it (a row's document changes exactly after an EOS).
     """
 
     tokens: np.ndarray
@@ -242,6 +261,19 @@ class TokenizedCorpus:
             raise ValueError(f"tokens/doc_ends: expected 1-D arrays, got {self.tokens.shape} / {self.doc_ends.shape}")
         if len(self.doc_ends) and int(self.doc_ends[-1]) != len(self.tokens):
             raise ValueError(f"doc_ends: last end {int(self.doc_ends[-1])} != len(tokens) {len(self.tokens)}")
+        if not np.issubdtype(self.tokens.dtype, np.integer) or not np.issubdtype(self.doc_ends.dtype, np.integer):
+            raise ValueError(f"tokens/doc_ends: expected integer arrays, got {self.tokens.dtype} / {self.doc_ends.dtype}")
+        if not 0 <= self.eos_id < self.vocab_size:
+            raise ValueError(f"eos_id: must be in [0, vocab_size={self.vocab_size}), got {self.eos_id}")
+        if len(self.tokens) and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= self.vocab_size):
+            raise ValueError(f"tokens: ids must be in [0, vocab_size={self.vocab_size}), got "
+                             f"[{int(self.tokens.min())}, {int(self.tokens.max())}]")
+        if len(self.doc_ends) and (int(self.doc_ends[0]) < 1 or np.any(np.diff(self.doc_ends) < 1)):
+            raise ValueError("doc_ends: must be strictly increasing and >= 1 (every document ends with its EOS)")
+        ends_eos = self.tokens[self.doc_ends - 1] == self.eos_id if len(self.doc_ends) else np.ones(0, bool)
+        if not ends_eos.all() or np.count_nonzero(self.tokens == self.eos_id) != len(self.doc_ends):
+            where = ("document ends without EOS" if not ends_eos.all() else "an EOS inside a document")
+            raise ValueError(f"tokens: EOS (id {self.eos_id}) must be exactly at doc_ends; found {where}")
 
     @property
     def num_documents(self) -> int:
@@ -263,7 +295,8 @@ class TokenizedCorpus:
 
     @classmethod
     def from_documents(cls, documents: Iterable[Sequence[int]], *, eos_id: int, vocab_size: int) -> "TokenizedCorpus":
-        """Build from already-tokenized documents (empty ones are skipped)."""
+        """Build from already-tokenized documents (empty ones are skipped). An ``eos_id`` inside a document
+        (a NUL byte in text, for the byte tokenizer) is dropped: in the stream, EOS marks document ends only."""
         if not 0 <= eos_id < vocab_size:
             raise ValueError(f"eos_id: must be in [0, vocab_size={vocab_size}), got {eos_id}")
         dtype = np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.int32
@@ -277,6 +310,9 @@ class TokenizedCorpus:
                 raise ValueError(f"documents: each document must be a 1-D integer sequence, got {arr.dtype} {arr.shape}")
             if arr.min() < 0 or arr.max() >= vocab_size:
                 raise ValueError(f"documents: token ids must be in [0, {vocab_size})")
+            arr = arr[arr != eos_id]
+            if arr.size == 0:
+                continue
             pieces += [arr.astype(dtype), eos]
             total += arr.size + 1
             ends.append(total)
@@ -313,7 +349,7 @@ def load_corpus(data: Optional[Union[str, os.PathLike]] = None, split: str = "tr
 
     None or "stdlib": the standard library; a directory: ``directory_corpus``;
     a file ending in ``.array_record`` (or a comma-separated list of them): an
-    ``ArrayRecordCorpus`` (already one split — ``split`` is ignored).
+    ``ArrayRecordCorpus`` of the split's records.
     """
     _check_split(split)
     if data is None or str(data) == "stdlib":
@@ -323,5 +359,5 @@ def load_corpus(data: Optional[Union[str, os.PathLike]] = None, split: str = "tr
         return directory_corpus(s, split, val_fraction)
     parts = [p for p in s.split(",") if p]
     if parts and all(p.endswith(".array_record") for p in parts):
-        return ArrayRecordCorpus(parts)
+        return ArrayRecordCorpus(parts, split, val_fraction)
     raise ValueError(f"data: {s!r} is neither 'stdlib', a directory, nor .array_record file(s)")

@@ -33,6 +33,8 @@ import sys
 import unicodedata
 from typing import Protocol, Sequence
 
+import numpy as np
+
 __all__ = [
     "Tokenizer",
     "ByteTokenizer",
@@ -54,6 +56,15 @@ class Tokenizer(Protocol):
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    def integer(i) -> bool:  # a Python or NumPy int, or a 0-d integer array (a JAX array's element)
+        if isinstance(i, (bool, np.bool_)):
+            return False
+        return isinstance(i, (int, np.integer)) or (np.ndim(i) == 0 and np.issubdtype(getattr(i, "dtype", float),
+                                                                                     np.integer))
+
+    floats = [i for i in ids if not integer(i)]
+    if floats:  # int() would truncate 104.9 to a valid id
+        raise ValueError(f"ids: must be integer token ids, got {len(floats)} other value(s), e.g. {floats[:5]}")
     out = [int(i) for i in ids]
     bad = [i for i in out if not 0 <= i < vocab_size]
     if bad:

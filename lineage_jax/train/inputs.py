@@ -51,9 +51,15 @@ def make_data(train_cfg: TrainConfig, model_cfg: ModelConfig):
     def corpus(split: str):
         return D.tokenize_corpus(D.load_corpus(train_cfg.data, split), tok)
 
-    corpus("train")  # read now: a missing or empty corpus fails before anything is written
     def text_data(split: str):
         return D.make_batches(corpus(split), seq_len=train_cfg.seq_len, batch_size=batch_size,
                               seed=train_cfg.seed, shuffle=split == "train", **shard)
 
+    # Both splits read now: a missing, empty or too short corpus fails before anything is written (the
+    # validation split is read after the last step otherwise, where a failure would recur on every resume).
+    text_data("train")
+    try:
+        text_data("val")
+    except ValueError as e:
+        raise ValueError(f"its validation split: {e}") from None
     return text_data

@@ -81,11 +81,33 @@ def test_array_record_roundtrip(tmp_path):
     assert len(corpus) == 4 and list(corpus) == docs and corpus[1] == docs[1]
     both = text.ArrayRecordCorpus([path, path])
     assert list(both) == docs + docs
-    assert list(text.load_corpus(str(path))) == docs
+    assert list(text.load_corpus(str(path), "all")) == docs
     with pytest.raises(ValueError, match="documents"):
         text.write_array_record(tmp_path / "bad.array_record", ["ok", b"bytes"])
     with pytest.raises(ValueError, match="paths"):
         text.ArrayRecordCorpus(tmp_path / "nope.array_record")
+
+
+def test_array_record_train_and_val_are_disjoint_record_splits(tmp_path):
+    """--data FILE.array_record validates on held-out records, not on the training stream: the two splits
+    partition the records (in record order), val is about val_fraction of them, and records appended in a
+    second file leave the first file's split as it was."""
+    docs = [f"document {i}" for i in range(400)]
+    a, b = tmp_path / "a.array_record", tmp_path / "b.array_record"
+    text.write_array_record(a, docs)
+    text.write_array_record(b, [f"more {i}" for i in range(100)])
+    train, val = (list(text.load_corpus(str(a), split)) for split in ("train", "val"))
+    assert sorted(train + val, key=docs.index) == docs and not set(train) & set(val)
+    assert train == [d for d in docs if d in train] and 2 <= len(val) <= 20  # record order; ~2% of 400
+    assert text.ArrayRecordCorpus(a, "val").names == tuple(f"record_{docs.index(d)}" for d in val)
+    train2, val2 = (list(text.load_corpus(f"{a},{b}", split)) for split in ("train", "val"))
+    assert [d for d in val2 if d in docs] == val and [d for d in train2 if d in docs] == train
+    assert list(text.load_corpus(str(a), "val", val_fraction=0.5)) != val  # the fraction is applied
+    text.write_array_record(tmp_path / "one.array_record", ["only"])
+    with pytest.raises(ValueError, match="need at least 2 records"):
+        text.ArrayRecordCorpus(tmp_path / "one.array_record", "val")
+    with pytest.raises(ValueError, match="split"):
+        text.ArrayRecordCorpus(a, "test")
 
 
 def test_tokenize_corpus_byte_and_gpt2(tmp_path):

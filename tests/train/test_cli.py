@@ -270,3 +270,20 @@ def test_a_run_whose_import_is_gone_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_main(["--steps", "2", "--workdir", str(wd)])
     assert "the run's TrainConfig.imports: importing 'gone_module_of_a_run' failed" in capsys.readouterr().err
+
+
+def test_a_validation_split_too_short_is_refused_before_training(tmp_path, capsys):
+    """The validation split is read up front: too short for one row, the run is refused before anything is
+    written (it was read after the last step, and the failure recurred on every resume)."""
+    from lineage_jax.data import text
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    val_name = text.split_files(["a.txt", "b.txt"], "val")[0]
+    for name in ("a.txt", "b.txt"):
+        (docs / name).write_text("tiny" if name == val_name else "plenty of training text here. " * 200)
+    wd = tmp_path / "run"
+    with pytest.raises(SystemExit):
+        train_main(["--config", "tiny_gpt2", "--steps", "2", "--workdir", str(wd), "--data", str(docs), *SMALL])
+    assert "its validation split: seq_len: 64 leaves no full row" in capsys.readouterr().err
+    assert not wd.exists()
