@@ -222,14 +222,28 @@ def state_shardings(tree, mesh: Mesh, rules: Optional[Rules] = None, *, strict: 
 
 
 def optimizer_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh: Mesh):
-    """Shardings of ``tx.init(params)``: every per-parameter buffer (Adam moments, Muon
-    momentum) laid out like its parameter, everything else (counts, scalars) replicated.
-    ``params`` may be abstract."""
+    """Shardings of ``tx.init(params)``: every per-parameter buffer (Adam moments, Muon momentum) laid out
+    like its parameter, everything else (counts, scalars, factored statistics) replicated. ``params`` may
+    be abstract.
+
+    A buffer is a parameter's when its path in the optimizer state ends with the parameter's path and
+    its shape is the parameter's; so any state layout works (Muon's per-head dimension numbers,
+    Adafactor's row and column factors, chains and masks)."""
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(tx.init, params)
-    return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
-                                 transform_non_params=lambda _: replicated,
-                                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+    shapes = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    by_path = {path: (tuple(getattr(shapes.get(path), "shape", ())), sharding)
+               for path, sharding in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+
+    def one(path, leaf):
+        shape = tuple(getattr(leaf, "shape", ()))
+        for start in range(len(path)):
+            found = by_path.get(tuple(path[start:]))
+            if found is not None and found[0] == shape:
+                return found[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(one, abstract_opt)
 
 
 def batch_sharding(x, mesh: Mesh, rules: Optional[Rules] = None) -> NamedSharding:

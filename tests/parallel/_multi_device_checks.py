@@ -373,6 +373,38 @@ def case_train_loop() -> dict:
     return res
 
 
+def case_optimizers() -> dict:
+    """A TrainStep on tensor=2 x fsdp=4 with the library's Muon (per-head dimension numbers: the optimizer
+    state is not laid out like the parameter tree) and optax's Adafactor (factored row / column statistics
+    of other shapes): the mesh's update of its own gradients against optax's on one device."""
+    from lineage_jax.train.config import TrainConfig
+    from lineage_jax.train.optim import make_optimizer
+
+    cfg = get_config("tiny_kda").replace(vocab_size=64)
+    batch = {"tokens": jax.random.randint(jax.random.key(0), (8, 16), 0, cfg.vocab_size)}
+    mesh = make_mesh({"tensor": 2, "fsdp": 4})
+    model = init_sharded(cfg, mesh)
+    norm = lambda tree: float(sum(np.sum(np.asarray(u, np.float64) ** 2) for u in jax.tree.leaves(tree)) ** 0.5)
+    delta = lambda a, b: jax.tree.map(lambda x, y: np.asarray(x, np.float64) - np.asarray(y, np.float64), a, b)
+    res = {}
+    for name, make in (("muon", lambda p: make_optimizer(TrainConfig(optimizer="muon", lr=1e-2, warmup_steps=0), p)),
+                       ("adafactor", lambda p: optax.adafactor(1e-2))):
+        trainer = TrainStep(model, mesh, make(nnx.state(model, nnx.Param)))
+        st = trainer.init(model)
+        _, _, grads = trainer.loss_and_grad(st, trainer.shard_batch(batch))
+        p0, g0 = (jax.tree.map(np.asarray, t) for t in (st.params, grads))  # host copies: the step donates st
+        new = trainer.apply_gradients(st, grads)
+        tx = make(p0)
+        upd, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(g0, p0)
+        want = delta(jax.jit(optax.apply_updates)(p0, upd), p0)
+        sharded = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(new.opt_state)[0]
+                   if hasattr(x, "sharding") and any(a is not None for a in x.sharding.spec)]
+        res[name] = dict(update_rel=norm(jax.tree.map(np.subtract, delta(new.params, p0), want)) / norm(want),
+                         update_norm=norm(want), sharded_buffers=len(sharded))
+        log(f"{name}: {res[name]}")
+    return res
+
+
 def case_hf_load() -> dict:
     """A transformers checkpoint (the tiny Kimi Linear fixture: KDA, MLA, 4 experts) loaded straight
     onto a data=2 x expert=4 mesh: each parameter in its sharding, equal to a one-device load."""
@@ -399,7 +431,7 @@ def case_hf_load() -> dict:
 
 
 CASES = {"moe": case_moe, "model": case_model, "model_data": case_model_data, "kimi_linear": case_kimi_linear, "decode": case_decode,
-         "train_loop": case_train_loop, "hf_load": case_hf_load}
+         "train_loop": case_train_loop, "hf_load": case_hf_load, "optimizers": case_optimizers}
 
 
 def main(argv) -> int:

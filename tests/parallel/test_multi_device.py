@@ -85,6 +85,17 @@ def test_sharded_training_equals_single_device():
     assert step["opt_mu_spec"] == meshes["data=2,expert=4"]["w_gate_spec"]   # Adam moments sharded like params
 
 
+def test_muon_and_adafactor_update_on_a_mesh_as_on_one_device():
+    """Optimizer states not laid out like the parameter tree (Muon's per-head dimension numbers, Adafactor's
+    factored statistics) are placed on the mesh (their per-parameter buffers sharded, the rest replicated),
+    and one step updates the parameters as on one device."""
+    res = run_case("optimizers")
+    for name in ("muon", "adafactor"):
+        r = res[name]
+        assert r["update_rel"] <= TOL and r["update_norm"] > 1e-3, (name, r)
+        assert r["sharded_buffers"] > 0, (name, r)
+
+
 @pytest.mark.slow  # the data axis (with expert) is test_sharded_training_equals_single_device's data=2,expert=4
 def test_data_parallel_training_equals_single_device():
     res = run_case("model_data")
