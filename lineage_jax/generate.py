@@ -35,7 +35,8 @@ from lineage_jax.memory._validate import is_int
 from lineage_jax.models import Decoder, ModelConfig, inference_steps
 from lineage_jax.parallel.expert import ExpertParallel, enable_expert_parallel, resolve_expert_parallel
 from lineage_jax.parallel.mesh import mesh_shape
-from lineage_jax.parallel.rules import Rules, logical_sharding, logical_to_spec, mesh_axes_of, state_shardings
+from lineage_jax.parallel.rules import (Rules, check_mesh, logical_sharding, logical_to_spec, mesh_axes_of,
+                                        state_shardings)
 from lineage_jax.train.checkpoint import Checkpointer
 from lineage_jax.train.config import TrainConfig
 from lineage_jax.train.loop import run_configs
@@ -211,6 +212,7 @@ class ShardedDecoder:
     def __init__(self, model: nnx.Module, mesh: Mesh, *, batch_size: int, max_len: int,
                  rules: Optional[Rules] = None, expert_parallel: Union[str, bool, ExpertParallel] = "auto",
                  cache_dtype=jnp.float32):
+        check_mesh("ShardedDecoder", mesh, rules)
         for name, val in (("batch_size", batch_size), ("max_len", max_len)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
                 raise ValueError(f"ShardedDecoder: `{name}` must be a positive int, got {val!r}")

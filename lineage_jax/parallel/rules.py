@@ -36,7 +36,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from lineage_jax import accounting
 from lineage_jax.parallel.mesh import MESH_AXES, check_axis_sizes, mesh_shape
@@ -255,10 +255,18 @@ def shard_batch(batch, mesh: Mesh, rules: Optional[Rules] = None):
     """Place a pytree of ``[B, ...]`` host arrays on ``mesh``, split over the batch axes.
 
     One process: ``batch`` is the global batch. Several processes: each passes its own
-    slice (``B / process_count`` rows) and gets the global array back.
+    slice (``B / process_count`` rows) and gets the global array back. A global ``B`` that does not
+    divide over the batch axes is a ``ValueError`` (it would be copied whole to every device).
     """
+    axes = [a for a in mesh_axes_of("batch", rules) if a in mesh.shape]
+    split = math.prod(mesh.shape[a] for a in axes)
+
     def one(x):
         x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        rows = x.shape[0] * jax.process_count() if x.ndim else 0
+        if x.ndim == 0 or rows % split:
+            raise ValueError(f"shard_batch: an array of shape {tuple(x.shape)} (global batch {rows}) does not split "
+                             f"over the batch mesh axes {tuple(axes)} ({split} devices); use a batch that divides")
         if jax.process_count() == 1:
             return jax.device_put(x, batch_sharding(x, mesh, rules))
         global_shape = (x.shape[0] * jax.process_count(),) + tuple(x.shape[1:])
@@ -344,6 +352,25 @@ def logical_sharding_of(logical_axes: Sequence[Optional[str]], mesh: Mesh, rules
                         shape: Optional[Sequence[int]] = None) -> NamedSharding:
     """A ``NamedSharding`` from logical names (non-dividing axes dropped when ``shape`` is given)."""
     return NamedSharding(mesh, logical_to_spec(logical_axes, mesh, rules, shape=shape))
+
+
+def check_mesh(fn: str, mesh, rules: Optional[Rules] = None) -> None:
+    """Refuse (``ValueError`` naming ``fn``) a ``mesh`` the rules cannot lay arrays out on: not a ``Mesh``, an
+    axis no rule names (every array would be replicated over it, silently), or an axis that is not
+    ``AxisType.Auto`` (sharding constraints need Auto axes; ``jax.make_mesh`` makes Explicit ones by
+    default). :func:`lineage_jax.parallel.make_mesh` builds a mesh that passes."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"{fn}: `mesh` must be a jax.sharding.Mesh (lineage_jax.parallel.make_mesh builds one "
+                         f"from axis sizes, e.g. make_mesh({{'data': 2, 'expert': 4}})), got {type(mesh).__name__}")
+    named = {a for axes in rules_dict(rules).values() for a in axes}
+    foreign = [a for a in mesh.axis_names if a not in named and mesh.shape[a] > 1]
+    if foreign:
+        raise ValueError(f"{fn}: `mesh` axis {foreign[0]!r} is named by no sharding rule (the rules use "
+                         f"{', '.join(sorted(named))}): every array would be replicated over it")
+    types = getattr(mesh, "axis_types", None) or ()
+    if any(t != AxisType.Auto for t in types):
+        raise ValueError(f"{fn}: `mesh` axes must all be AxisType.Auto, got {tuple(str(t) for t in types)} "
+                         "(pass axis_types=(AxisType.Auto,) * n to jax.make_mesh, or use lineage_jax.parallel.make_mesh)")
 
 
 def mesh_axes_of(name: str, rules: Optional[Rules] = None) -> tuple[str, ...]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -42,13 +43,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from lineage_jax.layers.moe import RouterStats
+from lineage_jax.layers.moe import BIAS_RULES, RouterStats
 from lineage_jax.models import Decoder, ModelConfig
 from lineage_jax.parallel.expert import (ExpertParallel, check_num_experts, enable_expert_parallel,
                                          resolve_expert_parallel)
 from lineage_jax.parallel.mesh import make_mesh, mesh_shape, parse_mesh_spec
-from lineage_jax.parallel.rules import (Rules, logical_sharding, mesh_axes_of, optimizer_shardings, shard_batch,
-                                        with_logical_constraint)
+from lineage_jax.parallel.rules import (Rules, check_mesh, logical_sharding, mesh_axes_of, optimizer_shardings,
+                                        shard_batch, with_logical_constraint)
 from lineage_jax.parallel.rules import state_shardings as variable_shardings
 from lineage_jax.train.config import TrainConfig
 from lineage_jax.train.optim import make_optimizer, schedule
@@ -307,6 +308,7 @@ def init_sharded(model: Union[Callable[[], nnx.Module], ModelConfig], mesh: Mesh
     rules (:func:`lineage_jax.parallel.rules.state_shardings`) from ``nnx.eval_shape``, so
     no device ever holds a full copy.
     """
+    check_mesh("init_sharded", mesh, rules)
     if isinstance(model, ModelConfig):
         config = model
         factory = lambda: Decoder(config, rngs=nnx.Rngs(seed))  # noqa: E731
@@ -347,8 +349,12 @@ class TrainStep:
                  loss_fn: LossFn = next_token_loss, rules: Optional[Rules] = None,
                  expert_parallel: Union[str, bool, ExpertParallel] = "auto", router_bias_rate: float = 0.0,
                  router_bias_rule: str = "sign", donate: bool = True):
-        if router_bias_rate < 0:
-            raise ValueError(f"TrainStep: `router_bias_rate` must be >= 0, got {router_bias_rate}")
+        check_mesh("TrainStep", mesh, rules)
+        if (isinstance(router_bias_rate, bool) or not isinstance(router_bias_rate, numbers.Real)
+                or not 0 <= router_bias_rate < math.inf):
+            raise ValueError(f"TrainStep: `router_bias_rate` must be a finite number >= 0, got {router_bias_rate!r}")
+        if router_bias_rule not in BIAS_RULES:
+            raise ValueError(f"TrainStep: `router_bias_rule` must be one of {BIAS_RULES}, got {router_bias_rule!r}")
         self.mesh, self.rules, self.loss_fn = mesh, rules, loss_fn
         self.tx = optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1) if tx is None else tx
         self.expert_parallel = resolve_expert_parallel(model, mesh, rules, expert_parallel)

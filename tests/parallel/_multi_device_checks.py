@@ -402,6 +402,14 @@ def case_optimizers() -> dict:
         res[name] = dict(update_rel=norm(jax.tree.map(np.subtract, delta(new.params, p0), want)) / norm(want),
                          update_norm=norm(want), sharded_buffers=len(sharded))
         log(f"{name}: {res[name]}")
+    # a batch that does not divide over the batch axes (fsdp=4 here) is refused, not copied to every device
+    res["error_batch"] = expect_value_error(lambda: trainer.shard_batch({"tokens": batch["tokens"][:3]}),
+                                            "does not split", "(3, 16)", "4 devices")
+    # a mesh whose axes no rule names would replicate everything over them
+    from jax.sharding import AxisType, Mesh
+    foreign = Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "ep"), axis_types=(AxisType.Auto,) * 2)
+    res["error_mesh_axes"] = expect_value_error(lambda: TrainStep(model, foreign), "TrainStep", "'dp'",
+                                                "named by no sharding rule")
     return res
 
 

@@ -119,3 +119,41 @@ def test_accounting_rejects(fn, args, needle):
     with pytest.raises(ValueError, match=needle):
         fn(*args)
 
+
+
+def test_a_mesh_the_rules_cannot_use_is_refused_by_name():
+    """Not a Mesh (a spec string), or axes that are not AxisType.Auto (jax.make_mesh's default is Explicit):
+    TrainStep, ShardedDecoder and init_sharded refuse it up front, naming `mesh`."""
+    from flax import nnx
+    from jax.sharding import AxisType, Mesh
+
+    from lineage_jax.generate import ShardedDecoder
+    from lineage_jax.models import Decoder, get_config
+    from lineage_jax.train.step import TrainStep, init_sharded
+
+    cfg = get_config("tiny_gpt2")
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    devices = np.array(jax.devices()[:1])
+    explicit = Mesh(devices, ("data",), axis_types=(AxisType.Explicit,))
+    for make in (lambda mesh: TrainStep(model, mesh), lambda mesh: ShardedDecoder(model, mesh, batch_size=1, max_len=8),
+                 lambda mesh: init_sharded(cfg, mesh)):
+        with pytest.raises(ValueError, match="`mesh` must be a jax.sharding.Mesh .* got str"):
+            make("data=1")
+        with pytest.raises(ValueError, match="`mesh` axes must all be AxisType.Auto"):
+            make(explicit)
+    R.check_mesh("f", M.make_mesh({"data": 1}))
+    R.check_mesh("f", Mesh(devices, ("dp",), axis_types=(AxisType.Auto,)))  # a size-1 axis replicates nothing
+
+
+def test_train_step_checks_its_router_bias_settings():
+    from flax import nnx
+
+    from lineage_jax.models import Decoder, get_config
+    from lineage_jax.train.step import TrainStep
+
+    model = Decoder(get_config("tiny_gpt2"), rngs=nnx.Rngs(0))
+    mesh = M.make_mesh({"data": 1})
+    for kw, match in ((dict(router_bias_rate=float("nan")), "router_bias_rate"),
+                      (dict(router_bias_rate=-1.0), "router_bias_rate"), (dict(router_bias_rule="mean"), "router_bias_rule")):
+        with pytest.raises(ValueError, match=match):
+            TrainStep(model, mesh, **kw)

@@ -94,6 +94,8 @@ def test_muon_and_adafactor_update_on_a_mesh_as_on_one_device():
         r = res[name]
         assert r["update_rel"] <= TOL and r["update_norm"] > 1e-3, (name, r)
         assert r["sharded_buffers"] > 0, (name, r)
+    assert "does not split over the batch mesh axes" in res["error_batch"]  # TrainStep.shard_batch, B = 3 on fsdp=4
+    assert "named by no sharding rule" in res["error_mesh_axes"]  # a mesh of axes ("dp", "ep")
 
 
 @pytest.mark.slow  # the data axis (with expert) is test_sharded_training_equals_single_device's data=2,expert=4
