@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from lineage_jax.layers.moe import MoE
 from lineage_jax.memory._validate import is_int
 from lineage_jax.models import Decoder, ModelConfig, inference_steps
 from lineage_jax.parallel.expert import ExpertParallel, enable_expert_parallel, resolve_expert_parallel
@@ -206,7 +207,9 @@ class ShardedDecoder:
     Parameters keep the rules' shardings; every cache array is split over the batch mesh
     axes along its batch dimension (dimension 1 for scanned layer groups, 0 otherwise).
     ``expert_parallel="auto"`` uses expert parallelism when the batch (the tokens of one
-    decode step) divides over the batch mesh axes.
+    decode step) divides over the batch mesh axes and no MoE layer uses capacity dispatch (under
+    expert parallelism capacity is counted per pair of devices, one token each a decode step, so
+    other tokens would be dropped than on one device).
     """
 
     def __init__(self, model: nnx.Module, mesh: Mesh, *, batch_size: int, max_len: int,
@@ -222,6 +225,9 @@ class ShardedDecoder:
         sizes = mesh_shape(mesh)
         batch_axes = [a for a in mesh_axes_of("batch", rules) if sizes.get(a, 1) > 1]
         if expert_parallel == "auto" and batch_size % int(np.prod([sizes[a] for a in batch_axes])):
+            expert_parallel = False
+        if expert_parallel == "auto" and any(isinstance(m, MoE) and m.dispatch == "capacity"
+                                             for _, m in nnx.iter_graph(model)):
             expert_parallel = False
         self.expert_parallel = resolve_expert_parallel(model, mesh, rules, expert_parallel)
         self.graphdef, state = nnx.split(model)

@@ -316,6 +316,19 @@ def case_decode() -> dict:
                          cache_shape=list(leaf.shape), length=np.asarray(cache.length).tolist())
     # Born-sharded initialisation does not depend on the mesh (same seed, same values).
     res["init_max_abs_diff_between_meshes"] = max_abs_diff(born["data=2,expert=4"], born["tensor=2,expert=4"])
+    # capacity dispatch: "auto" decodes without expert parallelism (per-device capacity would drop other tokens)
+    cap = cfg.replace(moe_dispatch="capacity")
+    mesh = make_mesh(MESHES["data=2,expert=4"])
+    model = init_sharded(cap, mesh)
+    dec = ShardedDecoder(model, mesh, batch_size=B, max_len=16)
+    state = nnx.state(model)
+    logits_p, cache = dec.prefill(state, prompt, dec.init_cache())
+    logits_d, _ = dec.decode(state, nxt, cache)
+    ref = nnx.merge(nnx.graphdef(model), jax.device_put(state, jax.devices()[0]))
+    ref_p, ref_cache = jax.jit(lambda t: ref.prefill(t, ref.init_cache(B, 16)))(prompt)
+    ref_d, _ = jax.jit(lambda t, c: ref.decode(t, c))(nxt, ref_cache)
+    res["capacity"] = dict(prefill_rel=rel(logits_p, ref_p), decode_rel=rel(logits_d, ref_d),
+                           expert_parallel=dec.expert_parallel is not None)
     return res
 
 
