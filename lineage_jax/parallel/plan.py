@@ -38,7 +38,7 @@ from lineage_jax.models.config import ModelConfig
 from lineage_jax.memory._validate import is_int
 from lineage_jax.parallel.expert import check_capacity_factor
 from lineage_jax.parallel.mesh import MESH_AXES, check_axis_sizes, parse_mesh_spec, resolve_axis_sizes
-from lineage_jax.parallel.rules import DEFAULT_RULES, Rules, mesh_axes_of, sharding_table
+from lineage_jax.parallel.rules import DEFAULT_RULES, WIDTH_NAMES, Rules, mesh_axes_of, rules_dict, sharding_table
 
 # Nominal datasheet figures (per chip / GPU), for lower-bound times only.
 HARDWARE = {
@@ -95,13 +95,16 @@ def plan(config, mesh: dict, *, batch: int, seq: int, rules: Optional[Rules] = N
 
     # FSDP-style traffic: parameters sharded over an axis that is not a model-parallel one
     # for that parameter (fsdp, or expert on a non-expert dimension) are gathered before use.
-    fsdp_axes = set(mesh_axes_of("embed", rules)) | set(mesh_axes_of("latent", rules))
+    # Every model-width dimension counts (WIDTH_NAMES: embed, latent and the low ranks q_lora, kv_lora,
+    # gate_rank), over the axes that shard it.
+    width = tuple(n for n in WIDTH_NAMES if n in rules_dict(rules))
+    fsdp_axes = {a for n in width for a in mesh_axes_of(n, rules)}
     gather_bytes = 0
     for r in rows:
         shards = 1
         for d, entry in enumerate(r["spec"]):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            if r["axes"][d] in ("embed", "latent"):
+            if r["axes"][d] in width:
                 shards *= math.prod(sizes[a] for a in axes if a in fsdp_axes)
         gather_bytes += r["local_size"] * (shards - 1) * 4
 

@@ -17,6 +17,18 @@ def test_one_device_holds_everything():
     assert p["tokens_per_device"] == 4 * 32
 
 
+def test_fsdp_traffic_counts_every_sharded_weight():
+    """On a pure FSDP mesh every sharded dimension is a width over fsdp, gathered before use: the planner's
+    all-gather bytes are Σ (shard count − 1) × local size × 4 over every parameter of the sharding table
+    (the low-rank inputs q_lora, kv_lora, gate_rank included)."""
+    from lineage_jax.parallel.rules import sharding_table
+
+    rows = sharding_table("tiny_k3", {"fsdp": 4})
+    want = sum(4 * r["local_size"] * (r["size"] // r["local_size"] - 1) for r in rows)
+    assert any("q_lora" in r["axes"] and r["size"] > r["local_size"] for r in rows)
+    assert PL.plan("tiny_k3", {"fsdp": 4}, batch=4, seq=16)["fsdp_gather_bytes_per_device_per_step"] == want
+
+
 def test_kimi_k3_numbers():
     p = PL.plan("kimi_k3", K3_MESH, batch=1024, seq=8192, capacity_factor=1.25, hardware="tpu_v5p")
     total = accounting.param_counts("kimi_k3")["total"]
