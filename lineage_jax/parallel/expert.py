@@ -336,13 +336,15 @@ def moe_forward(moe: MoE, x: Array, ep: ExpertParallel) -> tuple[Array, RouterSt
 
 def resolve_expert_parallel(model: nnx.Module, mesh: Mesh, rules: Optional[Rules],
                             expert_parallel: Union[str, bool, ExpertParallel]) -> Optional[ExpertParallel]:
-    """``"auto"``: on when the model has MoE layers and the expert mesh axis is > 1;
+    """``"auto"``: on when the model has MoE layers, the rules split the experts and the expert mesh axis is > 1;
     ``True`` / ``False``; or a ready :class:`ExpertParallel`. Checks the experts divide."""
     if isinstance(expert_parallel, ExpertParallel):
         ep = expert_parallel
     elif expert_parallel is False:
         return None
     elif expert_parallel in ("auto", True):
+        if expert_parallel == "auto" and not mesh_axes_of("experts", DEFAULT_RULES if rules is None else rules):
+            return None  # rules that keep the experts whole: nothing to run expert-parallel
         ep = ExpertParallel(mesh, rules=DEFAULT_RULES if rules is None else rules)
         if expert_parallel == "auto" and ep.expert_size == 1:
             return None

@@ -130,6 +130,9 @@ def make_mesh(sizes: MeshSpec = None, *, devices: Optional[Sequence[jax.Device]]
     Raises ``ValueError`` when the mesh does not match the device count.
     """
     devices = list(jax.devices() if devices is None else devices)
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"make_mesh: `devices` lists a device more than once ({len(devices)} entries, "
+                         f"{len(set(devices))} distinct)")
     if sizes is None:
         sizes = {"data": -1}
     if dcn:

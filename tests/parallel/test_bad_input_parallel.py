@@ -157,3 +157,22 @@ def test_train_step_checks_its_router_bias_settings():
                       (dict(router_bias_rate=-1.0), "router_bias_rate"), (dict(router_bias_rule="mean"), "router_bias_rule")):
         with pytest.raises(ValueError, match=match):
             TrainStep(model, mesh, **kw)
+
+
+def test_make_mesh_refuses_a_device_listed_twice():
+    d = jax.devices()[0]
+    with pytest.raises(ValueError, match="make_mesh: `devices` lists a device more than once"):
+        M.make_mesh({"data": 2}, devices=[d, d])
+
+
+def test_auto_expert_parallelism_is_off_where_the_rules_keep_experts_whole():
+    from flax import nnx
+
+    from lineage_jax.models import Decoder, get_config
+    from lineage_jax.parallel.expert import resolve_expert_parallel
+
+    model = Decoder(get_config("tiny_kimi_linear"), rngs=nnx.Rngs(0))
+    rules = tuple((name, None if name == "experts" else axes) for name, axes in R.DEFAULT_RULES)
+    assert resolve_expert_parallel(model, M.make_mesh({"data": 1}), rules, "auto") is None
+    with pytest.raises(ValueError, match="exactly one mesh axis"):  # asked for explicitly, it is refused
+        resolve_expert_parallel(model, M.make_mesh({"data": 1}), rules, True)
