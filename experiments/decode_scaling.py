@@ -46,9 +46,13 @@ took MHA's step from 222 to 140 ms and MLA's from 18.3 to 13.9 ms; KDA's (0.95 �
 the hybrid's (3.2 ms) barely move. The H200 numbers in ``docs/results.md`` up to commit
 ``6c360cc`` were measured scanned.
 
-**Read rate**: each measured point also reports ``read_gb_per_s`` = (weight bytes + the
-whole cache) / step time — the least a step must read, so against the device's memory
-bandwidth (H200: 4.8 TB/s) it says how close the step is to its roofline.
+**Read rate**: each measured point also reports ``read_gb_per_s`` = (the weights a step reads +
+the whole cache) / step time — the least a step must read, so against the device's memory
+bandwidth (H200: 4.8 TB/s) it says how close the step is to its roofline. A step reads every
+weight but the untied embedding table, of which it gathers its batch's rows (the LM head is read
+whole): :func:`weights_read`. ``--rederive RECORD.json ...`` recomputes a record's bytes read,
+read rates and bytes-read ratios by this rule from its measured times (records of commits before
+it counted the whole table).
 
 **Kimi Linear's claim** (tech report, 2025): against full MLA attention at 1M tokens the 3:1
 hybrid decodes with 6.3× lower time per output token when the freed memory is spent on
@@ -68,7 +72,10 @@ computes bf16 dots in float32).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import pathlib
 import time
 from typing import Optional, Sequence
 
@@ -233,6 +240,8 @@ class Target:
         self.model = Decoder(cfg, rngs=nnx.Rngs(0))
         self.state, _, self.step = inference_steps(self.model)
         self.weight_bytes = tree_bytes(self.state)
+        # the untied embedding table: a step gathers its batch's rows of it (tied, it is the LM head)
+        self.table_bytes = 0 if cfg.tie_embeddings else tree_bytes(self.model.embed[...])
         self._executables: dict = {}
 
     def compile(self, batch: int, context: int, dtype):
@@ -248,6 +257,13 @@ class Target:
                 mem.temp_size_in_bytes + max(0, mem.output_size_in_bytes - mem.alias_size_in_bytes))
             self._executables[key] = compiled, workspace
         return self._executables[key]
+
+
+def weights_read(weight_bytes: int, table_bytes: int, vocab: int, batch: int) -> int:
+    """Weight bytes one decode step of ``batch`` sequences reads: every weight but the untied embedding
+    table (``table_bytes``; 0 when tied, where it is the LM head and read whole), of which the step gathers
+    ``batch`` rows of ``table_bytes / vocab``."""
+    return weight_bytes - table_bytes + batch * (table_bytes // vocab)
 
 
 def read_rate(bytes_read: int, ms: float) -> float:
@@ -301,11 +317,12 @@ def measure(target: Target, batch: int, context: int, budget_bytes: float, b: Bu
             continue
         finally:
             del cache
+        read = weights_read(target.weight_bytes, target.table_bytes, target.cfg.vocab_size, batch) + measured
         done[batch] = {"status": "ok", "batch": batch, "cache_bytes": measured, "predicted": predicted,
                        "matches_accounting": measured == predicted["total"], "workspace_bytes": workspace,
                        "ms_per_step": ms, "ms_per_token": ms / batch, "tokens_per_s": 1e3 * batch / ms,
-                       "bytes_read": target.weight_bytes + measured,
-                       "read_gb_per_s": read_rate(target.weight_bytes + measured, ms)}
+                       "bytes_read": read,
+                       "read_gb_per_s": read_rate(read, ms)}
         return dict(done[batch], cache_fit_batch=cache_fit, note="; ".join(notes))
     return {"status": "does not fit", "batch": 0, "cache_fit_batch": cache_fit, "note": "; ".join(notes)}
 
@@ -346,6 +363,7 @@ def run(quick: bool = False, out: str = "results", only: Optional[Sequence[str]]
         target = Target(model_config(key, b))
         cfg = target.cfg
         arch_info[key] = {"label": cfg.name, "pattern": cfg.pattern, "weight_bytes": target.weight_bytes,
+                          "embedding_table_bytes": target.table_bytes,
                           "params": accounting.param_counts(cfg)["total"], "decode_reads": decode_reads(cfg)}
         budget_bytes = b.fill_fraction * memory - target.weight_bytes
         for context in b.contexts:
@@ -468,6 +486,25 @@ def plot(record: dict):
     return fig
 
 
+def rederive(record: dict) -> dict:
+    """``record`` with every measured point's ``bytes_read`` and ``read_gb_per_s``, and the bytes-read ratios
+    of ``speedups``, recomputed from its measured times and cache bytes by :func:`weights_read`. A record
+    without ``embedding_table_bytes`` (its models untied, float32 weights of ``weight_bytes / params`` bytes
+    each) gets the table's size from its budget's vocabulary and width."""
+    b, out = record["budget"], json.loads(json.dumps(record))
+    for info in out["archs"].values():
+        if "embedding_table_bytes" not in info:
+            info["embedding_table_bytes"] = b["vocab"] * b["d_model"] * (info["weight_bytes"] // info["params"])
+    for r in out["rows"]:
+        if r["status"] == "ok":
+            info = out["archs"][r["arch"]]
+            r["bytes_read"] = weights_read(info["weight_bytes"], info["embedding_table_bytes"], b["vocab"],
+                                           r["batch"]) + r["cache_bytes"]
+            r["read_gb_per_s"] = read_rate(r["bytes_read"], r["ms_per_step"])
+    out["speedups"] = speedups(out["rows"])
+    return out
+
+
 def _fmt_speedup(entry: Optional[dict]) -> str:
     return "-" if entry is None else f"{entry['speedup']:.2f}× @ {C.fmt_tokens(entry['context'])}"
 
@@ -523,7 +560,22 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv=None) -> dict:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--rederive", nargs="+", metavar="RECORD")
+    known, _ = pre.parse_known_args(argv)
+    if known.rederive:  # recompute saved records' read rates (module doc, "Read rate"); nothing is measured
+        record = {}
+        for path in known.rederive:
+            text = pathlib.Path(path).read_text()
+            record = rederive(json.loads(text))
+            lines = text.splitlines()
+            indent = len(lines[1]) - len(lines[1].lstrip()) if len(lines) > 1 else 2  # keep the file's layout
+            pathlib.Path(path).write_text(json.dumps(record, indent=indent or None) + "\n")
+            print(f"{path}:\n{table(record)}\n")
+        return record
     parser = C.make_parser(NAME, __doc__.splitlines()[0])
+    parser.epilog = ("--rederive RECORD.json [...]: recompute saved records' bytes read, read rates and bytes-read "
+                     "ratios by the current rule (weights_read), in place; nothing is measured")
     parser.add_argument("--only", type=lambda t: t.split(","), default=None,
                         help=f"comma-separated subset of: {','.join(ARCHS)}")
     parser.add_argument("--contexts", type=_ints, default=None, help="comma-separated context lengths in tokens")

@@ -372,7 +372,8 @@ class LMSweep(LRSweep):
 
 
 def train_with_curve(sweep: LMSweep, train: dict, val: dict, bar=None) -> dict:
-    """Train ``sweep`` on ``train`` scoring ``val`` after every chunk; the best lr's curves and scores."""
+    """Train ``sweep`` on ``train`` scoring ``val`` after every chunk; the best lr's curves and scores.
+    ``train_s`` is the run's wall time, the validation passes after each chunk included."""
     points = []
     t0 = time.perf_counter()
     train_losses = sweep.train(train, bar=bar, on_chunk=lambda step: points.append((step, sweep.val_loss(val))))
