@@ -262,7 +262,8 @@ class TokenizedCorpus:
         if len(self.doc_ends) and int(self.doc_ends[-1]) != len(self.tokens):
             raise ValueError(f"doc_ends: last end {int(self.doc_ends[-1])} != len(tokens) {len(self.tokens)}")
         if not np.issubdtype(self.tokens.dtype, np.integer) or not np.issubdtype(self.doc_ends.dtype, np.integer):
-            raise ValueError(f"tokens/doc_ends: expected integer arrays, got {self.tokens.dtype} / {self.doc_ends.dtype}")
+            raise ValueError(f"tokens/doc_ends: expected integer arrays, got {self.tokens.dtype} / "
+                             f"{self.doc_ends.dtype}")
         if not 0 <= self.eos_id < self.vocab_size:
             raise ValueError(f"eos_id: must be in [0, vocab_size={self.vocab_size}), got {self.eos_id}")
         if len(self.tokens) and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= self.vocab_size):

@@ -15,10 +15,10 @@ from lineage_jax.parallel.expert import (ExpertParallel, ExpertParallelMoE, chec
                                          resolve_expert_parallel)
 from lineage_jax.parallel.mesh import (MESH_AXES, detect_cluster, make_mesh, maybe_initialize_distributed, mesh_shape,
                                        parse_mesh_spec, resolve_axis_sizes)
-from lineage_jax.parallel.rules import (DEFAULT_RULES, batch_sharding, check_mesh, current_logical_sharding, local_shape,
-                                        logical_sharding, logical_sharding_of, logical_to_spec, mesh_axes_of,
-                                        optimizer_shardings, rules_dict, shard_batch, sharding_table, state_shardings,
-                                        state_specs, with_logical_constraint, without_mesh_axis)
+from lineage_jax.parallel.rules import (DEFAULT_RULES, batch_sharding, check_mesh, current_logical_sharding,
+                                        local_shape, logical_sharding, logical_sharding_of, logical_to_spec,
+                                        mesh_axes_of, optimizer_shardings, rules_dict, shard_batch, sharding_table,
+                                        state_shardings, state_specs, with_logical_constraint, without_mesh_axis)
 
 __all__ = [
     "DEFAULT_RULES", "ExpertParallel", "ExpertParallelMoE", "MESH_AXES", "batch_sharding", "check_mesh",

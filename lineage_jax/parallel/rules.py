@@ -369,8 +369,8 @@ def check_mesh(fn: str, mesh, rules: Optional[Rules] = None) -> None:
                          f"{', '.join(sorted(named))}): every array would be replicated over it")
     types = getattr(mesh, "axis_types", None) or ()
     if any(t != AxisType.Auto for t in types):
-        raise ValueError(f"{fn}: `mesh` axes must all be AxisType.Auto, got {tuple(str(t) for t in types)} "
-                         "(pass axis_types=(AxisType.Auto,) * n to jax.make_mesh, or use lineage_jax.parallel.make_mesh)")
+        raise ValueError(f"{fn}: `mesh` axes must all be AxisType.Auto, got {tuple(str(t) for t in types)} (pass "
+                         "axis_types=(AxisType.Auto,) * n to jax.make_mesh, or use lineage_jax.parallel.make_mesh)")
 
 
 def mesh_axes_of(name: str, rules: Optional[Rules] = None) -> tuple[str, ...]:

@@ -154,7 +154,8 @@ def test_train_step_checks_its_router_bias_settings():
     model = Decoder(get_config("tiny_gpt2"), rngs=nnx.Rngs(0))
     mesh = M.make_mesh({"data": 1})
     for kw, match in ((dict(router_bias_rate=float("nan")), "router_bias_rate"),
-                      (dict(router_bias_rate=-1.0), "router_bias_rate"), (dict(router_bias_rule="mean"), "router_bias_rule")):
+                      (dict(router_bias_rate=-1.0), "router_bias_rate"),
+                      (dict(router_bias_rule="mean"), "router_bias_rule")):
         with pytest.raises(ValueError, match=match):
             TrainStep(model, mesh, **kw)
 
