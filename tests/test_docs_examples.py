@@ -101,7 +101,7 @@ def test_guide_probe_and_decode_example(tmp_path, monkeypatch, capsys):
 def test_parallelism_example_on_eight_devices(tmp_path):
     """The sharded-training example on 8 fake CPU devices (data=2, expert=4), in a fresh process."""
     code = python_blocks("docs/parallelism.md")[0]
-    setup = "import numpy as np\ntokens = np.zeros((4, 32), np.int32)\n"
+    setup = "import numpy as np\ntokens = np.zeros((8, 32), np.int32)\n"  # B over data x fsdp x expert = 8
     check = "\nimport math\nassert math.isfinite(float(metrics['loss'])), metrics\nprint('ok', float(metrics['loss']))\n"
     env = dict(os.environ, XLA_FLAGS=fake_device_xla_flags(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
