@@ -259,6 +259,9 @@ class Target:
         return self._executables[key]
 
 
+BYTES_READ_RULE = "every weight but the untied embedding table, of which the batch's rows; plus the whole cache"
+
+
 def weights_read(weight_bytes: int, table_bytes: int, vocab: int, batch: int) -> int:
     """Weight bytes one decode step of ``batch`` sequences reads: every weight but the untied embedding
     table (``table_bytes``; 0 when tied, where it is the LM head and read whole), of which the step gathers
@@ -356,7 +359,7 @@ def run(quick: bool = False, out: str = "results", only: Optional[Sequence[str]]
 
     record = C.provenance(NAME, quick)
     record.update(budget=dataclasses.asdict(b), device_memory_bytes=memory, device_memory_source=memory_source,
-                  kimi_reported=KIMI_REPORTED)
+                  kimi_reported=KIMI_REPORTED, bytes_read_rule=BYTES_READ_RULE)
     rows, arch_info = [], {}
     bar = C.progress(desc="decode", total=len(keys) * len(b.contexts) * len(MODES), unit="point")
     for key in keys:
@@ -502,6 +505,7 @@ def rederive(record: dict) -> dict:
                                            r["batch"]) + r["cache_bytes"]
             r["read_gb_per_s"] = read_rate(r["bytes_read"], r["ms_per_step"])
     out["speedups"] = speedups(out["rows"])
+    out["bytes_read_rule"] = BYTES_READ_RULE
     return out
 
 

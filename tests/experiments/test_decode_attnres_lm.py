@@ -78,7 +78,9 @@ def test_decode_scaling_structure_and_exact_bytes(decode_record):
     assert rec["speedups"]["bytes_per_context"]["256"]["fill"]["kda_vs_mha"] == pytest.approx(want)
     assert rec["speedups"]["bytes_headline"]["kda_vs_mha"]["fill"] == {"context": 256, "speedup": pytest.approx(want)}
     # a record of the earlier rule (the whole table counted, no table size recorded) rederives to this one
+    assert rec["bytes_read_rule"] == DS.BYTES_READ_RULE
     old = json.loads(json.dumps(rec))
+    del old["bytes_read_rule"]
     for info in old["archs"].values():
         del info["embedding_table_bytes"]
     for r in old["rows"]:
@@ -87,6 +89,7 @@ def test_decode_scaling_structure_and_exact_bytes(decode_record):
     old["speedups"] = DS.speedups(old["rows"])
     again = DS.rederive(old)
     assert again["rows"] == rec["rows"] and again["speedups"] == rec["speedups"] and again["archs"] == rec["archs"]
+    assert again["bytes_read_rule"] == rec["bytes_read_rule"]
     path = Path(decode_record["files"]["json"]).with_name("old.json")
     path.write_text(json.dumps(old, indent=1) + "\n")
     DS.main(["--rederive", str(path)])  # in place, the file's layout kept
