@@ -7,7 +7,9 @@ DeltaNet, ``K`` KDA, ``M`` MLA) and the ``ModelConfig`` fields that make the row
 
 * :data:`ARCHITECTURES` / :data:`KEYS`: the eight rows of the scorecard, with short keys
   (``gpt2, linear, deltanet, gdn, kda, mla, kimi_linear, k3``) for command lines.
-* :data:`EXTRA_ARCHITECTURES` / :data:`EXTRA_KEYS`: diagnostic rows, run only when named.
+* :data:`EXTRA_ARCHITECTURES` / :data:`EXTRA_KEYS`: diagnostic rows, run only when named;
+  :func:`register_architecture` adds one (a mixer of your own, registered with
+  ``lineage_jax.models.register_rule``, in a module the experiments' ``--import`` loads).
 * :func:`model_config`: the shared recipe (FFN 4d, MoE experts d wide, MLA sizes from the
   head width, short causal conv) at a given width; :func:`wide_head_config` the same with
   64-wide heads (the recall experiments); :func:`select` cuts rows to fewer layers.
@@ -65,6 +67,39 @@ EXTRA_ARCHITECTURES = [
 ]
 EXTRA_KEYS = dict(zip(["gpt2_nope", "gdn_nogate", "kda_nogate", "gpt2_rope", "kda_unit_a"],  # KEYS stays the card
                       [a[0] for a in EXTRA_ARCHITECTURES]))
+
+
+
+def register_architecture(key: str, label: str, pattern: str, extra: Optional[dict] = None) -> None:
+    """Add a row that ``--only`` / ``--archs`` name by ``key`` (run only when named, like the diagnostic
+    rows): ``pattern`` of mixer letters (a registered mixer's letter included), ``extra`` the
+    ``ModelConfig`` fields that make the row what it is. For example, in a module given to ``--import``::
+
+        register_rule("gla", Rule("X", gate="channel", erase=False, output_gate="full"))
+        register_architecture("gla", "GLA", "XXXX")
+
+    The same row again does nothing; a key or label already taken, or a pattern with a letter no
+    mixer has, is a ``ValueError``."""
+    from lineage_jax.models import MIXERS
+
+    extra = {} if extra is None else extra
+    row = (label, pattern, extra)
+    if EXTRA_KEYS.get(key) == label and row in EXTRA_ARCHITECTURES:
+        return
+    if not isinstance(key, str) or not key.isidentifier():
+        raise ValueError(f"register_architecture: `key` must be an identifier string, got {key!r}")
+    if key in KEYS or key in EXTRA_KEYS:
+        raise ValueError(f"register_architecture: `key` {key!r} is taken")
+    if not isinstance(label, str) or not label or label in {a[0] for a in ARCHITECTURES + EXTRA_ARCHITECTURES}:
+        raise ValueError(f"register_architecture: `label` must be a new non-empty string, got {label!r}")
+    if not isinstance(pattern, str) or not pattern or set(pattern) - set(MIXERS):
+        raise ValueError(f"register_architecture: `pattern` must be mixer letters ({''.join(MIXERS)}; a mixer of "
+                         f"your own: lineage_jax.models.register_rule first), got {pattern!r}")
+    if not isinstance(extra, dict):
+        raise ValueError(f"register_architecture: `extra` must be a dict of ModelConfig fields, got {extra!r}")
+    EXTRA_ARCHITECTURES.append(row)
+    EXTRA_KEYS[key] = label
+
 
 HEAD_DIM = 64  # the head width of wide_head_config
 

@@ -148,6 +148,7 @@ def provenance(name: str, quick: bool) -> dict:
         "jax_version": jax.__version__,
         "python_version": platform.python_version(),
         "device": device_info(),
+        **({"imports": list(IMPORTED)} if IMPORTED else {}),
     }
 
 
@@ -255,11 +256,31 @@ QUICK_HELP = ("small sizes / fewer points, for a CPU (a run of seconds to a few 
 
 
 def make_parser(name: str, description: str, quick_help: str = QUICK_HELP) -> argparse.ArgumentParser:
-    """The common CLI: ``--quick`` and ``--out``; scripts add their own options."""
+    """The common CLI: ``--quick``, ``--out`` and ``--import``; scripts add their own options."""
     parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     add_out(parser, name)
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import this Python module first (repeatable; recorded): one of your own that adds a "
+                             "mixer (lineage_jax.models.register_rule) and a row "
+                             "(experiments.architectures.register_architecture) that --only / --archs then name")
     return parser
+
+
+IMPORTED: list[str] = []  # the modules --import brought in, in order (each record's provenance names them)
+
+
+def import_modules(modules: Sequence[str]) -> None:
+    """Import ``modules`` (``--import``); a ``ValueError`` naming the one that fails."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # an ImportError or the module's own error: name the module either way
+            raise ValueError(f"--import {module}: {type(e).__name__}: {e}") from None
+        if module not in IMPORTED:
+            IMPORTED.append(module)
 
 
 def add_out(parser: argparse.ArgumentParser, name: str) -> None:
@@ -337,9 +358,10 @@ def main_for(name: str, parser: argparse.ArgumentParser, run: Callable[..., dict
     A ``ValueError`` from ``run`` (the experiments' argument checks name the argument) ends the
     command as an argparse error — usage, the message, exit status 2 — not a traceback."""
     args = parser.parse_args(argv)
-    kwargs = {k: v for k, v in vars(args).items() if k not in ("quick", "out", "json")}
+    kwargs = {k: v for k, v in vars(args).items() if k not in ("quick", "out", "json", "imports")}
     kwargs.update(extra)
     try:
+        import_modules(getattr(args, "imports", []))
         record = run(quick=args.quick, out=args.out, **kwargs)
     except ValueError as e:
         parser.error(str(e))

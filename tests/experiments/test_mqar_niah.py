@@ -102,6 +102,54 @@ def test_mqar_cli_smallest(tmp_path):
     _mqar_cli(tmp_path, {"deltanet": "DD"})
 
 
+def test_a_mixer_of_ones_own_runs_in_the_experiments(tmp_path, monkeypatch, capsys):
+    """`--import` a module that registers a mixer and a row: `--archs` names it, it trains in the sweep next to
+    a library row, and the record names the module; a module that fails to import is named."""
+    from experiments import common as C
+    from lineage_jax.layers.memory_mixer import RULES
+    from lineage_jax.models import MIXERS
+
+    (tmp_path / "my_exp_rules.py").write_text(
+        "from experiments.architectures import register_architecture\n"
+        "from lineage_jax.layers.memory_mixer import Rule\n"
+        "from lineage_jax.models import register_rule\n"
+        "register_rule('gla_exp', Rule('Q', gate='channel', erase=False, output_gate='full'))\n"
+        "register_architecture('gla', 'GLA (registered)', 'QQQQ')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tables = [(t, dict(t)) for t in (RULES, MIXERS, A.EXTRA_KEYS)]  # restored in place after the run
+    lists = [(t, list(t)) for t in (A.EXTRA_ARCHITECTURES, C.IMPORTED)]
+    try:
+        rec = M.main(["--quick", "--steps", "4", "--import", "my_exp_rules", "--archs", "deltanet,gla",
+                      "--lengths", "32:2", "--widths", "32", "--lrs", "1e-3,1e-2", "--out", str(tmp_path / "r")])
+        assert [(r["arch"], r["pattern"]) for r in rec["runs"]] == [("deltanet", "DD"), ("gla", "QQ")]
+        assert all(0.0 <= r["best_accuracy"] <= 1.0 for r in rec["runs"]) and rec["imports"] == ["my_exp_rules"]
+        assert json.loads((tmp_path / "r" / "mqar" / "mqar.json").read_text())["imports"] == ["my_exp_rules"]
+    finally:
+        for table, items in tables:
+            table.clear()
+            table.update(items)
+        for table, items in lists:
+            table[:] = items
+        sys.modules.pop("my_exp_rules", None)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        M.main(["--quick", "--import", "no_module_like_this", "--out", str(tmp_path / "x")])
+    assert "--import no_module_like_this: ModuleNotFoundError" in capsys.readouterr().err
+
+
+def test_register_architecture_refuses_what_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(A, "EXTRA_KEYS", dict(A.EXTRA_KEYS))
+    monkeypatch.setattr(A, "EXTRA_ARCHITECTURES", list(A.EXTRA_ARCHITECTURES))
+    for args, match in ((("kda", "New", "KKKK"), "`key` 'kda' is taken"), (("new", "KDA", "KKKK"), "`label`"),
+                        (("new", "New", "KKZK"), "`pattern` must be mixer letters"),
+                        (("new", "New", "KKKK", ["x"]), "`extra`"), (("a b", "New", "KKKK"), "`key`")):
+        with pytest.raises(ValueError, match=match):
+            A.register_architecture(*args)
+    A.register_architecture("kda_twice", "KDA again", "KKKK", {"kda_gate": "bounded"})
+    A.register_architecture("kda_twice", "KDA again", "KKKK", {"kda_gate": "bounded"})  # the same row: nothing
+    assert A.select(["kda_twice"], 2) == [("kda_twice", "KDA again", "KK", {"kda_gate": "bounded"})]
+
+
 @pytest.mark.slow  # the CLI's record, plot and merge are test_mqar_cli_smallest
 def test_mqar_cli_two_architectures(tmp_path):
     _mqar_cli(tmp_path, {"gpt2": "SS", "deltanet": "DD"})
