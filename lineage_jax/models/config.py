@@ -58,6 +58,8 @@ def register_rule(name: str, rule: Rule) -> None:
 def _letters(pick) -> set[str]:
     """The letters of the fixed-state rules for which ``pick(rule)`` holds."""
     return {r.letter for r in RULES.values() if pick(r)}
+
+
 FFN_KINDS = ("gelu", "swiglu", "situ")
 # What a layer group keeps for the backward pass (lineage_jax.models.decoder.remat_policy):
 #   "none": everything (no rematerialisation; fastest, most memory);
