@@ -34,6 +34,7 @@ if the arguments differ. The iterator is a ``grain.DatasetIterator``, so
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Optional
 
@@ -122,6 +123,18 @@ def _build(source, seq_len, batch_size, seed, shard_index, shard_count, num_epoc
     return ds.batch(batch_size, drop_remainder=True), source
 
 
+def _source_identity(source) -> str:
+    """What a resumed iterator must read again: a packed corpus by its size and a digest of its document ends
+    and its first and last MiB of tokens; any other source by its type."""
+    if isinstance(source, PackedSource):
+        c = source.corpus
+        digest = hashlib.sha256(c.doc_ends.tobytes())
+        digest.update(c.tokens[: 1 << 20].tobytes())
+        digest.update(c.tokens[-(1 << 20):].tobytes())
+        return f"corpus of {c.num_documents} documents, {len(c.tokens)} tokens, sha256 {digest.hexdigest()[:16]}"
+    return f"{type(source).__module__}.{type(source).__qualname__}"
+
+
 class BatchIterator(grain.DatasetIterator):
     """A grain iterator whose state records (and checks) the pipeline's arguments."""
 
@@ -141,8 +154,11 @@ class BatchIterator(grain.DatasetIterator):
         if not isinstance(state, dict) or _STATE_KEY not in state:
             raise ValueError(f"state: not a state from BatchIterator.get_state (missing {_STATE_KEY!r})")
         saved = json.loads(state[_STATE_KEY])
+        if "source" not in saved:  # a state saved before the source was recorded: its arguments alone
+            saved = dict(saved, source=self.fingerprint.get("source"))
         if saved != self.fingerprint:
-            diff = {k: (saved.get(k), self.fingerprint.get(k)) for k in set(saved) | set(self.fingerprint) if saved.get(k) != self.fingerprint.get(k)}
+            diff = {k: (saved.get(k), self.fingerprint.get(k)) for k in set(saved) | set(self.fingerprint)
+                    if saved.get(k) != self.fingerprint.get(k)}
             raise ValueError(f"state: saved by a pipeline with different arguments (saved, now): {diff}")
         self._parent.set_state({k: v for k, v in state.items() if k != _STATE_KEY})
 
@@ -176,6 +192,7 @@ def make_batches(
         raise ValueError(f"prefetch_buffer_size: must be an int >= 0, got {prefetch_buffer_size!r}")
     read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     fingerprint = dict(
+        source=_source_identity(resolved),
         rows=len(resolved),
         seq_len=seq_len,
         batch_size=batch_size,

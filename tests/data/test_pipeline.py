@@ -149,6 +149,33 @@ def test_state_from_another_pipeline_is_rejected(corpus):
         other.set_state({"next_index": 3})
 
 
+def test_state_of_another_source_is_rejected(corpus):
+    """The same arguments over another source: another task of the same length and size, or another corpus
+    of as many rows. A state saved before the source was recorded is still taken by its own pipeline."""
+    kw = dict(seq_len=12, batch_size=2, seed=0, num_threads=0)
+    mqar = pipeline.make_batches(get_task("mqar", vocab_size=64, seq_len=12, num_kv_pairs=2, num_examples=64), **kw)
+    overwrite = pipeline.make_batches(get_task("overwrite", vocab_size=64, seq_len=12, num_facts=2, num_examples=64),
+                                      **kw)
+    take(mqar, 1)
+    with pytest.raises(ValueError, match="state.*source"):
+        overwrite.set_state(mqar.get_state())
+    kw = dict(seq_len=16, batch_size=2, seed=0, num_threads=0)
+    reordered = TokenizedCorpus.from_documents([corpus.document(i) for i in reversed(range(corpus.num_documents))],
+                                               eos_id=0, vocab_size=256)
+    assert len(PackedSource(reordered, 16)) == len(PackedSource(corpus, 16))
+    a, b = pipeline.make_batches(corpus, **kw), pipeline.make_batches(reordered, **kw)
+    take(a, 1)
+    with pytest.raises(ValueError, match="state.*source"):
+        b.set_state(a.get_state())
+    old = a.get_state()  # as saved before the source was recorded
+    fp = json.loads(old[pipeline._STATE_KEY])
+    del fp["source"]
+    old[pipeline._STATE_KEY] = json.dumps(fp)
+    again = pipeline.make_batches(corpus, **kw)
+    again.set_state(old)
+    assert np.array_equal(next(again)["tokens"], next(a)["tokens"])
+
+
 def test_finite_epochs_stop(corpus):
     src = PackedSource(corpus, 16)
     batches = list(pipeline.make_batches(corpus, seq_len=16, batch_size=5, seed=0, num_epochs=2, num_threads=0))
