@@ -271,16 +271,15 @@ IMPORTED: list[str] = []  # the modules --import brought in, in order (each reco
 
 
 def import_modules(modules: Sequence[str]) -> None:
-    """Import ``modules`` (``--import``); a ``ValueError`` naming the one that fails."""
-    import importlib
+    """Import ``modules`` (``--import``; the training CLI's loader); a ``ValueError`` naming the one that fails."""
+    from lineage_jax.train.config import ModuleImportError
+    from lineage_jax.train.config import import_modules as load
 
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # an ImportError or the module's own error: name the module either way
-            raise ValueError(f"--import {module}: {type(e).__name__}: {e}") from None
-        if module not in IMPORTED:
-            IMPORTED.append(module)
+    try:
+        load(modules)
+    except ModuleImportError as e:
+        raise ValueError(f"--import {e.module}: {type(e.cause).__name__}: {e.cause}") from None
+    IMPORTED.extend(m for m in dict.fromkeys(modules) if m not in IMPORTED)
 
 
 def add_out(parser: argparse.ArgumentParser, name: str) -> None:

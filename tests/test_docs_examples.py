@@ -59,16 +59,10 @@ def test_first_use(page, tmp_path, monkeypatch):
 def test_guide_own_mixer_example(tmp_path, monkeypatch, capsys):
     """A registered GLA row builds the 3:1 hybrid; its decode step after a prefill gives the forward's logits,
     and the printed state size is the accounting's (6 GLA layers of H·K·K float32, no normalizer)."""
-    from lineage_jax.layers.memory_mixer import RULES
-    from lineage_jax.models import MIXERS
+    from tests._registry import SavedTables
 
-    saved = [(table, dict(table)) for table in (RULES, MIXERS)]
-    try:
+    with SavedTables():  # the library's own tables for the tests after this one
         ns = run_block(python_blocks("docs/guide.md")[1], tmp_path, monkeypatch)
-    finally:  # the library's own tables for the tests after this one
-        for table, items in saved:
-            table.clear()
-            table.update(items)
     cfg = ns["cfg"]
     np.testing.assert_allclose(ns["last"], ns["logits"][:, 23], rtol=1e-4, atol=1e-4)
     H, K = cfg.num_heads, cfg.resolved_head_dim

@@ -7,7 +7,7 @@ import importlib
 import math
 import numbers
 import typing
-from typing import Any
+from typing import Any, Sequence, Union
 
 import numpy as np
 
@@ -100,13 +100,22 @@ def module_names(imports: str) -> list[str]:
     return [name.strip() for name in imports.split(",") if name.strip()]
 
 
-def import_modules(imports: str) -> None:
-    """Import the modules ``TrainConfig.imports`` names (in order); ``ValueError`` naming the one that fails."""
-    for name in module_names(imports):
+class ModuleImportError(ValueError):
+    """A module named to be imported first failed to import: its ``module`` name and the ``cause``."""
+
+    def __init__(self, module: str, cause: BaseException):
+        self.module, self.cause = module, cause
+        super().__init__(f"TrainConfig.imports: importing {module!r} failed ({type(cause).__name__}: {cause})")
+
+
+def import_modules(imports: Union[str, Sequence[str]]) -> None:
+    """Import the modules a ``TrainConfig.imports`` string (or a list of names: the experiments'
+    ``--import``) names, in order; a :class:`ModuleImportError` naming the one that fails."""
+    for name in module_names(imports) if isinstance(imports, str) else imports:
         try:
             importlib.import_module(name)
         except Exception as e:  # an ImportError or the module's own error: name the module either way
-            raise ValueError(f"TrainConfig.imports: importing {name!r} failed ({type(e).__name__}: {e})") from None
+            raise ModuleImportError(name, e) from None
 
 
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}

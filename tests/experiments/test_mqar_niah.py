@@ -106,8 +106,7 @@ def test_a_mixer_of_ones_own_runs_in_the_experiments(tmp_path, monkeypatch, caps
     """`--import` a module that registers a mixer and a row: `--archs` names it, it trains in the sweep next to
     a library row, and the record names the module; a module that fails to import is named."""
     from experiments import common as C
-    from lineage_jax.layers.memory_mixer import RULES
-    from lineage_jax.models import MIXERS
+    from tests._registry import SavedTables
 
     (tmp_path / "my_exp_rules.py").write_text(
         "from experiments.architectures import register_architecture\n"
@@ -116,21 +115,12 @@ def test_a_mixer_of_ones_own_runs_in_the_experiments(tmp_path, monkeypatch, caps
         "register_rule('gla_exp', Rule('Q', gate='channel', erase=False, output_gate='full'))\n"
         "register_architecture('gla', 'GLA (registered)', 'QQQQ')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    tables = [(t, dict(t)) for t in (RULES, MIXERS, A.EXTRA_KEYS)]  # restored in place after the run
-    lists = [(t, list(t)) for t in (A.EXTRA_ARCHITECTURES, C.IMPORTED)]
-    try:
+    with SavedTables(A.EXTRA_KEYS, A.EXTRA_ARCHITECTURES, C.IMPORTED, modules=["my_exp_rules"]):
         rec = M.main(["--quick", "--steps", "4", "--import", "my_exp_rules", "--archs", "deltanet,gla",
                       "--lengths", "32:2", "--widths", "32", "--lrs", "1e-3,1e-2", "--out", str(tmp_path / "r")])
         assert [(r["arch"], r["pattern"]) for r in rec["runs"]] == [("deltanet", "DD"), ("gla", "QQ")]
         assert all(0.0 <= r["best_accuracy"] <= 1.0 for r in rec["runs"]) and rec["imports"] == ["my_exp_rules"]
         assert json.loads((tmp_path / "r" / "mqar" / "mqar.json").read_text())["imports"] == ["my_exp_rules"]
-    finally:
-        for table, items in tables:
-            table.clear()
-            table.update(items)
-        for table, items in lists:
-            table[:] = items
-        sys.modules.pop("my_exp_rules", None)
     capsys.readouterr()
     with pytest.raises(SystemExit):
         M.main(["--quick", "--import", "no_module_like_this", "--out", str(tmp_path / "x")])

@@ -12,6 +12,7 @@ from lineage_jax import accounting, memory
 from lineage_jax.layers.memory_mixer import RULES, MemoryMixer, Rule, check_rules
 from lineage_jax.models import config as config_module
 from lineage_jax.models import Decoder, get_config, register_rule
+from tests._registry import SavedTables
 
 D = 24
 inputs = nnx.jit(lambda m, x: m._inputs(x, None, None)[:5])  # the layer's (q, k, v, g, beta)
@@ -50,12 +51,9 @@ GLA = Rule("X", gate="channel", erase=False, output_gate="full", gate_activation
 @pytest.fixture
 def gla():
     """A row added at run time: gated linear attention (per-channel decay, no erasing)."""
-    rules, mixers = dict(RULES), dict(config_module.MIXERS)
-    register_rule("gla", GLA)
-    yield "gla"
-    for table, saved in ((RULES, rules), (config_module.MIXERS, mixers)):
-        table.clear()
-        table.update(saved)
+    with SavedTables():
+        register_rule("gla", GLA)
+        yield "gla"
 
 
 def test_a_new_row_is_a_mixer(gla):

@@ -215,26 +215,17 @@ def test_help_describes_every_option(capsys):
 def test_a_mixer_of_ones_own_trains_resumes_and_generates(tmp_path, monkeypatch, capsys):
     """`--import` a module that registers a mixer: its letter trains, the run records the import, and a
     resume from the run directory alone (tables and module gone, as in a new process) imports it again."""
-    import sys
-
     from flax import nnx
 
-    from lineage_jax.layers.memory_mixer import RULES, MemoryMixer
-    from lineage_jax.models import MIXERS
+    from lineage_jax.layers.memory_mixer import MemoryMixer
+    from tests._registry import SavedTables
 
     (tmp_path / "my_rules.py").write_text(
         "from lineage_jax.layers.memory_mixer import Rule\n"
         "from lineage_jax.models import register_rule\n"
         "register_rule('gla_cli', Rule('Q', gate='channel', erase=False, output_gate='full'))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    saved = [(table, dict(table)) for table in (RULES, MIXERS)]
-
-    def forget():  # a new process: the library's own tables, the module not imported
-        for table, items in saved:
-            table.clear()
-            table.update(items)
-        sys.modules.pop("my_rules", None)
-
+    forget = SavedTables(modules=["my_rules"]).restore  # a new process: the library's tables, no module
     wd = str(tmp_path / "run")
     try:
         assert train_main(["--config", "tiny_gdn", "--steps", "2", "--workdir", wd, "--import", "my_rules",
