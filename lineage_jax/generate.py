@@ -271,13 +271,27 @@ class ShardedDecoder:
     def init_cache(self):
         return self._init_cache()
 
+    def place(self, state: nnx.State) -> nnx.State:
+        """``state`` laid out as this decoder's rules lay it out on its mesh (a copy where it differs): for a
+        state sharded by other rules or on another mesh, e.g. a training run's."""
+        return jax.device_put(state, self.state_shardings)
+
+    def _call(self, fn, name, state, *args):
+        try:
+            return fn(state, *args)
+        except ValueError as e:
+            if "does not match the sharding" not in str(e):
+                raise
+            raise ValueError(f"ShardedDecoder.{name}: `state` is laid out by other rules or on another mesh than "
+                             "this decoder's; lay it out with `decoder.place(state)` once, before decoding") from e
+
     def prefill(self, state: nnx.State, tokens: jax.Array, cache):
         """``tokens [B, T]`` -> ``(logits [B, T, vocab], cache)`` (``state = nnx.state(model)``)."""
-        return self._prefill(state, tokens, cache)
+        return self._call(self._prefill, "prefill", state, tokens, cache)
 
     def decode(self, state: nnx.State, token: jax.Array, cache):
         """``token [B]`` -> ``(logits [B, vocab], cache)``."""
-        return self._decode(state, token, cache)
+        return self._call(self._decode, "decode", state, token, cache)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -314,6 +314,16 @@ def case_decode() -> dict:
                          expert_parallel=dec.expert_parallel is not None, cache_spec=_spec_str(leaf),
                          cache_shards=sorted({tuple(s.data.shape) for s in leaf.addressable_shards}),
                          cache_shape=list(leaf.shape), length=np.asarray(cache.length).tolist())
+        if name == "data=2,expert=4":
+            other_state = state
+    # a state laid out on another mesh is refused by name (the cache survives), then taken after `place`
+    cache = dec.init_cache()
+    res["other_layout_error"] = expect_value_error(lambda: dec.prefill(other_state, prompt, cache), "`state`",
+                                                   "decoder.place(state)")
+    placed = dec.place(other_state)
+    logits_p, cache = dec.prefill(placed, prompt, cache)
+    logits_d, _ = dec.decode(placed, nxt, cache)
+    res["placed_rel"] = max(rel(logits_p, ref_p), rel(logits_d, ref_d))
     # Born-sharded initialisation does not depend on the mesh (same seed, same values).
     res["init_max_abs_diff_between_meshes"] = max_abs_diff(born["data=2,expert=4"], born["tensor=2,expert=4"])
     # capacity dispatch: "auto" decodes without expert parallelism (per-device capacity would drop other tokens)

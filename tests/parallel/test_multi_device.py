@@ -115,6 +115,7 @@ def test_sharded_decode_equals_single_device():
         assert r["length"] == [7] * 8
         assert r["cache_shape"][1] == 8 and r["cache_shards"][0][1] < 8, r    # cache split over the batch
     assert res["init_max_abs_diff_between_meshes"] == 0.0
+    assert "place" in res["other_layout_error"] and res["placed_rel"] <= TOL, res["placed_rel"]
     cap = res["capacity"]  # capacity dispatch decodes without expert parallelism, as one device does
     assert not cap["expert_parallel"] and cap["prefill_rel"] <= TOL and cap["decode_rel"] <= TOL, cap
 
