@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -64,13 +65,38 @@ def muon_dims(params):
     return jax.tree_util.tree_map_with_path(dims, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def decoupled_decay(lr: optax.Schedule, weight_decay: float, mask) -> optax.GradientTransformation:
+    """Adds ``-lr(step) · weight_decay · param`` to the updates of the leaves ``mask`` marks (AdamW's decoupled
+    decay, applied after the updates are scaled); its own step count, as optax's learning-rate scaling keeps."""
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("decoupled_decay: the update needs `params`")
+        rate = lr(state.count) * weight_decay
+        updates = jax.tree.map(lambda u, p, m: u - rate * p if m else u, updates, params, mask)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
-    """The chain: global-norm clipping, then AdamW (or per-head Muon with AdamW for tables and vectors)."""
+    """The chain: global-norm clipping, then AdamW (or per-head Muon with AdamW for tables and vectors).
+    Weight decay follows :func:`decay_mask` in both: under Muon the matrices Muon orthogonalizes decay inside
+    it, the AdamW side's matrices (an untied LM head) by :func:`decoupled_decay` (optax's Muon decays its
+    whole AdamW side, norms, biases and tables included)."""
     lr = schedule(cfg)
+    mask = decay_mask(params)
     if cfg.optimizer == "adamw":
-        inner = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask(params))
-    else:
-        inner = optax.contrib.muon(lr, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask(params),
-                                   adam_b1=cfg.b1, adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
-                                   muon_weight_dimension_numbers=muon_dims(params))
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), inner)
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                           optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask))
+    dims = muon_dims(params)
+    inner = optax.contrib.muon(lr, weight_decay=cfg.weight_decay, weight_decay_mask=mask,
+                               adam_b1=cfg.b1, adam_b2=cfg.b2, adam_weight_decay=0.0,
+                               muon_weight_dimension_numbers=dims)
+    adam_side = jax.tree.map(lambda m, d: m.replace(value=bool(m.get_value()) and d.get_value() is None),
+                             mask, dims, is_leaf=lambda x: isinstance(x, nnx.Variable))  # decayed, not Muon's
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), inner,
+                       decoupled_decay(lr, cfg.weight_decay, adam_side))

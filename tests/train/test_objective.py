@@ -277,3 +277,29 @@ def test_muon_orthogonalises_each_head_and_keeps_tables_on_adamw():
         got = np.asarray(updates[name]["embed"][...], np.float64)
         # Measured: 3.7e-7 relative.
         np.testing.assert_allclose(got, -0.01 * factor * g / (np.abs(g) + 1e-8), rtol=1e-6, atol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "muon"])
+def test_weight_decay_follows_the_decay_mask_under_both_optimizers(opt_name):
+    """From a zero gradient an update is the decay alone: ``-lr · weight_decay · param`` on the leaves
+    ``decay_mask`` marks (Muon's matrices and, under Muon, the AdamW side's: the untied LM head), exactly 0 on
+    the rest (norms, biases, ``A_log``, ``dt_bias``, the embedding table) — under Muon too."""
+    mc = get_config("tiny_kda")
+    model = nnx.eval_shape(lambda: Decoder(mc, rngs=nnx.Rngs(0)))
+    _, abstract, _ = nnx.split(model, nnx.Param, ...)
+    _, params, _ = nnx.split(Decoder(mc, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    lr, wd = 0.5, 0.1
+    cfg = TrainConfig(optimizer=opt_name, lr=lr, warmup_steps=0, steps=10, weight_decay=wd)
+    tx = make_optimizer(cfg, abstract)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    mask = {jax.tree_util.keystr(p): bool(m) for p, m in jax.tree_util.tree_leaves_with_path(decay_mask(abstract))}
+    decayed = 0
+    for path, u in jax.tree_util.tree_leaves_with_path(updates):
+        name = jax.tree_util.keystr(path)
+        p = np.asarray(jax.tree_util.tree_leaves(params)[list(mask).index(name)], np.float64)
+        want = -lr * wd * p if mask[name] else np.zeros_like(p)
+        np.testing.assert_allclose(np.asarray(u, np.float64), want, rtol=1e-6, atol=1e-9, err_msg=name)
+        decayed += mask[name]
+    assert mask["['head'].value"] and not mask["['embed'].value"], mask   # the untied head decays, the table not
+    assert 0 < decayed < len(mask)
