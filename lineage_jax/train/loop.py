@@ -139,10 +139,10 @@ def _write_configs(workdir: str, train_cfg: TrainConfig, model_cfg: ModelConfig)
         json.dump(record, f, indent=2)
 
 
-def _last_logged(path: str) -> tuple[dict[str, float], dict[str, float]]:
-    """The last training metrics and the last evaluation in ``metrics.jsonl`` (a finished run
+def _last_logged(path: str) -> tuple[dict[str, float], dict[str, float], Optional[int]]:
+    """The last training metrics, the last evaluation and its step in ``metrics.jsonl`` (a finished run
     re-run reports them instead of training nothing)."""
-    last, ev = {}, {}
+    last, ev, ev_step = {}, {}, None
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
@@ -152,7 +152,8 @@ def _last_logged(path: str) -> tuple[dict[str, float], dict[str, float]]:
                         last = {k: v for k, v in rec.items() if k != "step"}
                     if "val_loss" in rec:
                         ev = {k: v for k, v in rec.items() if k != "step"}
-    return last, ev
+                        ev_step = rec.get("step")
+    return last, ev, ev_step
 
 
 def _trim_metrics(path: str, last_step: int, log: Callable[[str], None] = print) -> None:
@@ -283,13 +284,21 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
 
         last: dict[str, float] = {}
         evaluation: dict[str, float] = {}
+        evaluated = None  # the step of the last evaluation logged
         if start >= train_cfg.steps:
-            last, evaluation = _last_logged(metrics_path)
+            last, evaluation, evaluated = _last_logged(metrics_path)
             log(f"{workdir} already finished {start} steps (--steps is the total: pass a larger --steps to extend it)")
         bar = tqdm(total=train_cfg.steps, initial=start, disable=not train_cfg.progress, unit="step", dynamic_ncols=True)
         t_last, step_last = time.perf_counter(), start
         stopped = False
         with _Preemption() as preempt, open(metrics_path, "a") as mfile:
+            def log_evaluation(at: int) -> None:
+                mfile.write(json.dumps({"step": at, **evaluation}) + "\n")
+                mfile.flush()
+                if writer is not None:
+                    for k, v in evaluation.items():
+                        writer.add_scalar(f"eval/{k}", v, at)
+
             for step in range(start, train_cfg.steps):
                 batch = put(next(train_iter))
                 state, metrics = train_step(state, batch)
@@ -316,20 +325,19 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
                 bar.update(1)
                 if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.steps:
                     evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches, put)
-                    mfile.write(json.dumps({"step": done, **evaluation}) + "\n")
+                    log_evaluation(done)
                 if done % train_cfg.save_every == 0 or done == train_cfg.steps or preempt.requested:
                     ckpt.save(done, state, train_iter.get_state(), force=True)
                 if preempt.requested:
                     log(f"SIGTERM: saved step {done} in {workdir}; rerun the same command to resume")
                     stopped = True
                     break
-            if not stopped and int(state.step) == train_cfg.steps:
+            # the final evaluation, unless the log holds it (a finished run re-run); a run stopped during its
+            # last step gets it on the rerun
+            if not stopped and int(state.step) == train_cfg.steps and evaluated != train_cfg.steps:
                 evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches, put)
                 if evaluation:
-                    mfile.write(json.dumps({"step": int(state.step), **evaluation}) + "\n")
-                    if writer is not None:
-                        for k, v in evaluation.items():
-                            writer.add_scalar(f"eval/{k}", v, int(state.step))
+                    log_evaluation(int(state.step))
         bar.close()
         if writer is not None:
             writer.close()

@@ -1,6 +1,7 @@
 """The training loop: exact resume, SIGTERM, metrics, checkpoint round trip, overrides."""
 
 import json
+import math
 import os
 import signal
 import sys
@@ -188,3 +189,45 @@ def test_deterministic_sets_xla_deterministic_ops_on_gpus_only():
     assert compiler_options(TrainConfig(deterministic=True), "gpu") == {"xla_gpu_deterministic_ops": True}
     assert compiler_options(TrainConfig(deterministic=False), "gpu") is None
     assert compiler_options(TrainConfig(deterministic=True), "cpu") is None
+
+
+class _Scalars:
+    """A stand-in for tensorboardX's SummaryWriter that records every scalar as ``(tag, step)``."""
+    written: list = []
+
+    def __init__(self, logdir):
+        del logdir
+
+    def add_scalar(self, tag, value, step):
+        assert math.isfinite(value)
+        _Scalars.written.append((tag, step))
+
+    def close(self):
+        pass
+
+
+def _val_steps(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [r["step"] for r in map(json.loads, f) if "val_loss" in r]
+
+
+def test_evaluations_reach_the_log_and_tensorboard_once_each(tmp_path, monkeypatch):
+    """``eval_every``: each evaluation is one metrics.jsonl line and one TensorBoard point (``eval/*``); a
+    finished run re-run evaluates nothing more; a run stopped during its last step (SIGTERM) is evaluated on
+    its rerun, once."""
+    import tensorboardX
+
+    monkeypatch.setattr(tensorboardX, "SummaryWriter", _Scalars)
+    monkeypatch.setattr(_Scalars, "written", [])
+    out = run(tmp_path / "a", 4, config="tiny_gpt2", eval_every=2)
+    assert _val_steps(tmp_path / "a") == [2, 4]
+    assert sorted(s for tag, s in _Scalars.written if tag == "eval/val_loss") == [2, 4]
+    again = run(tmp_path / "a", 4, config="tiny_gpt2", eval_every=2)
+    assert _val_steps(tmp_path / "a") == [2, 4] and again["eval"] == out["eval"]
+    assert sorted(s for tag, s in _Scalars.written if tag == "eval/val_loss") == [2, 4]
+    stopped = run(tmp_path / "b", 3, config="tiny_gpt2", kill_at=3)
+    assert stopped["preempted"] and stopped["step"] == 3 and _val_steps(tmp_path / "b") == []
+    resumed = run(tmp_path / "b", 3, config="tiny_gpt2")
+    assert not resumed["preempted"] and _val_steps(tmp_path / "b") == [3] and resumed["eval"]["val_loss"] > 0
+    run(tmp_path / "b", 3, config="tiny_gpt2")
+    assert _val_steps(tmp_path / "b") == [3]
