@@ -129,6 +129,14 @@ PROGRAM_STAGES = 2
 GPU_MAX_CHUNK = 64  # the largest chunk_size of the GPU kernels (their [C, C] blocks live in registers)
 MIN_GATE_BOUND = -8.0  # bounded-gate KDA: factors e^{±8·8} = e^{±64} leave ~1e-10 of float32 range for the
                        # values they scale before products go subnormal (flushed on tensor cores)
+# f32 inputs: log-decay gates below GATE_FLOOR are raised to it before the kernels. The kernels form a decay
+# e^{Σ g} as a difference of prefix sums over a 16-row tile (or a chunk), so a gate G there costs about
+# |G|·6e-8 of relative precision in every decay after it (the f32 spacing at |G|): 2e-5 – 1e-3 of the outputs
+# at G = −1e3 … −1e4, against 1e-7 for the XLA chunked form. Any decay through a gate at or below −110 is 0 in
+# f32 either way (e^{−110} ≈ 1.7e-48 rounds to 0), so the floor changes no result beyond rounding; a decay
+# after such gates loses ~7e-6 per gate in the tile. Its gradient there is 0, as e^{g}·(…) rounds to.
+# 16-bit inputs (bf16 rounding, 4e-3) keep their gates.
+GATE_FLOOR = -110.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1075,35 +1083,49 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"`chunk_size` must be a power of two >= 16 for the Pallas kernels, got {chunk_size!r}")
 
 
-def _check_gate_bound(g, gate, bound):
-    """Validate ``gate_lower_bound``; with concrete gates, check that they respect it."""
+def _check_gate_bound(gate, bound, fn=None):
+    """Validate ``gate_lower_bound`` (its type, range and rule); the gates' values against it are checked by
+    :func:`_check_inputs`. Returns it as a float (or None)."""
     if bound is None:
         return None
+    at = f"{fn}: " if fn else ""
     if gate != "channel":
-        raise ValueError("`gate_lower_bound` applies to the per-channel (KDA) gate only")
+        raise ValueError(f"{at}`gate_lower_bound` applies to the per-channel (KDA) gate only")
     try:
         bound = float(bound)
     except (TypeError, ValueError):
-        raise ValueError(f"`gate_lower_bound` must be a float in [{MIN_GATE_BOUND}, 0), got {bound!r}") from None
+        raise ValueError(f"{at}`gate_lower_bound` must be a float in [{MIN_GATE_BOUND}, 0), got {bound!r}") from None
     if not (MIN_GATE_BOUND <= bound < 0.0):
-        raise ValueError(f"`gate_lower_bound` must be in [{MIN_GATE_BOUND}, 0) (a 16-token tile anchored at its "
+        raise ValueError(f"{at}`gate_lower_bound` must be in [{MIN_GATE_BOUND}, 0) (a 16-token tile anchored at its "
                          f"middle row must keep exp(8·|bound|) within float32), got {bound!r}")
-    try:
-        gmin = float(jnp.min(jnp.asarray(g, jnp.float32)))  # one scalar back to the host
-    except jax.errors.ConcretizationTypeError:  # traced (under jit): cannot be checked
-        gmin = None
-    if gmin is not None:
-        if not gmin >= float(np.float32(bound)):  # in float32, as the gates; also catches NaN
-            raise ValueError(f"`gate_lower_bound={bound}` is set but the gates reach {gmin:g} < {bound}: the "
-                             "bounded-gate kernels would overflow. Clip or bound the gates (e.g. g = "
-                             f"{bound}·sigmoid(·)), or leave `gate_lower_bound=None` for the exact kernels.")
     return bound
 
 
-def _check_inputs(fn, q, k, v, g, beta, *, gate, initial_state, segment_ids, scale=None):
-    """The public entry points' array checks, naming ``fn`` and the argument. Shapes always (at trace
-    time); the values of concrete gates, ``beta`` and ``initial_state`` (finite; gates <= 0) only outside
-    ``jit``: traced arrays are not read."""
+def _dtype_of(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _static_scale(fn, scale):
+    """``scale`` as a Python float (it is compiled into the kernels): a finite real number, a NumPy scalar or a
+    concrete 0-d array; None stays None."""
+    if scale is None:
+        return None
+    if isinstance(scale, jax.core.Tracer):
+        raise ValueError(f"{fn}: `scale` must be a concrete number (the kernels compile it in), got a traced value")
+    try:
+        value = float(scale) if not isinstance(scale, (bool, np.bool_, str)) and np.ndim(scale) == 0 else None
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"{fn}: `scale` must be a finite real number (or None for K ** -0.5), got {scale!r}")
+    return value
+
+
+def _check_inputs(fn, q, k, v, g, beta, *, gate, initial_state, segment_ids, scale=None, gate_lower_bound=None):
+    """The public entry points' array checks, naming ``fn`` and the argument. Shapes and dtypes always (at
+    trace time); the values of concrete gates, ``beta`` and ``initial_state`` (finite; gates <= 0 and, with
+    ``gate_lower_bound``, at or above it in the gates' own dtype) only outside ``jit``: traced arrays are not
+    read. Returns ``scale`` as a float (None: the default)."""
     def shape(x):
         return tuple(np.shape(x))
 
@@ -1118,9 +1140,8 @@ def _check_inputs(fn, q, k, v, g, beta, *, gate, initial_state, segment_ids, sca
     B, T, H, K = shape(q)
     if T == 0:
         raise ValueError(f"{fn}: `q` has T = 0 tokens; need at least one")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.number))
-                              or not math.isfinite(scale) or scale <= 0):
-        raise ValueError(f"{fn}: `scale` must be a finite number > 0 (or None for K ** -0.5), got {scale!r}")
+    scale = _static_scale(fn, scale)
+    bound = _check_gate_bound(gate, gate_lower_bound, fn)
     need("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
     if v is None or np.ndim(v) != 4 or shape(v)[:3] != (B, T, H):
         raise ValueError(f"{fn}: `v` must be [B, T, H, V] with B, T, H = {(B, T, H)} as in q, got shape "
@@ -1137,20 +1158,29 @@ def _check_inputs(fn, q, k, v, g, beta, *, gate, initial_state, segment_ids, sca
         dtype = np.asarray(segment_ids).dtype if not hasattr(segment_ids, "dtype") else segment_ids.dtype
         if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)):
             raise ValueError(f"{fn}: `segment_ids` must be an integer array, got dtype {dtype}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if x is not None and not jnp.issubdtype(_dtype_of(x), jnp.floating):
+            raise ValueError(f"{fn}: `{name}` must be a floating-point array, got dtype {_dtype_of(x)}")
     for name, x in (("g", g), ("beta", beta), ("initial_state", initial_state)):
         if x is None or isinstance(x, jax.core.Tracer):
             continue
-        try:  # reduced where the array lives: two scalars back to the host, not the array
+        try:  # reduced where the array lives: three scalars back to the host, not the array
             x = jnp.asarray(x)
             finite = jnp.isfinite(x)
-            bad, top = jax.device_get((jnp.sum(~finite), jnp.max(jnp.where(finite, x, -jnp.inf), initial=-jnp.inf)))
-            bad, top = int(bad), float(top)
+            bad, top, low = jax.device_get((jnp.sum(~finite), jnp.max(jnp.where(finite, x, -jnp.inf), initial=-jnp.inf),
+                                            jnp.min(jnp.where(finite, x, jnp.inf), initial=jnp.inf)))
+            bad, top, low = int(bad), float(top), float(low)
         except jax.errors.ConcretizationTypeError:  # a constant captured inside jit: traced, not read
             continue
         if bad:
             raise ValueError(f"{fn}: `{name}` has {bad} non-finite entries (NaN or inf)")
         if name == "g" and top > 0:
             raise ValueError(f"{fn}: `g` (log-decay) must be <= 0 everywhere (alpha = exp(g) <= 1); max is {top:.4g}")
+        if name == "g" and bound is not None and not low >= float(jnp.asarray(bound, x.dtype)):
+            raise ValueError(f"{fn}: `gate_lower_bound={bound}` is set but the gates reach {low:g} < {bound}: the "
+                             "bounded-gate kernels would overflow. Clip or bound the gates (e.g. g = "
+                             f"{bound}·sigmoid(·)), or leave `gate_lower_bound=None` for the exact kernels.")
+    return scale
 
 
 def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk_size, target, interpret,
@@ -1162,7 +1192,7 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     """Validate, pick the static :class:`Spec`, pad and lay out. Returns ``(spec, args)``."""
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"`grid_order` must be one of {GRID_ORDERS}, got {grid_order!r}")
-    gate_bound = _check_gate_bound(g, gate, gate_lower_bound)
+    gate_bound = _check_gate_bound(gate, gate_lower_bound)
     if inverse != "auto" and inverse not in INVERSES:
         raise ValueError(f"`inverse` must be 'auto' or one of {INVERSES}, got {inverse!r}")
     if q.ndim != 4:
@@ -1351,10 +1381,10 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
     vv = prep(v, V0, V, io_dtype)
     bb = prep(beta[..., None], 1, 1, F32)
     gg = None
-    if gate == "scalar":
-        gg = prep(g[..., None], 1, 1, F32)
-    elif gate == "channel":
-        gg = prep(g, K0, K, F32)
+    if gate is not None:
+        gg = prep(g[..., None], 1, 1, F32) if gate == "scalar" else prep(g, K0, K, F32)
+        if not low:  # f32: no log-decay below GATE_FLOOR (see there)
+            gg = jnp.maximum(gg, GATE_FLOOR)
     doc = None
     if segment_ids is not None:
         seg = jnp.asarray(segment_ids)
@@ -1465,8 +1495,8 @@ _DOC = """
 def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
                      target=None, interpret=None, **tuning):
     _check_tuning("chunk_delta_rule", tuning)
-    _check_inputs("chunk_delta_rule", q, k, v, None, beta, gate=None, initial_state=initial_state,
-                  segment_ids=segment_ids, scale=scale)
+    scale = _check_inputs("chunk_delta_rule", q, k, v, None, beta, gate=None, initial_state=initial_state,
+                          segment_ids=segment_ids, scale=scale, gate_lower_bound=tuning.get("gate_lower_bound"))
     return _delta(q, k, v, None, beta, gate=None, scale=scale, initial_state=initial_state,
                   segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret, **tuning)
 
@@ -1474,8 +1504,8 @@ def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, segment_i
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
                            target=None, interpret=None, **tuning):
     _check_tuning("chunk_gated_delta_rule", tuning)
-    _check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, gate="scalar", initial_state=initial_state,
-                  segment_ids=segment_ids, scale=scale)
+    scale = _check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, gate="scalar", initial_state=initial_state,
+                          segment_ids=segment_ids, scale=scale, gate_lower_bound=tuning.get("gate_lower_bound"))
     return _delta(q, k, v, g, beta, gate="scalar", scale=scale, initial_state=initial_state,
                   segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret, **tuning)
 
@@ -1483,8 +1513,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=None,
               target=None, interpret=None, gate_lower_bound=None, **tuning):
     _check_tuning("chunk_kda", tuning)
-    _check_inputs("chunk_kda", q, k, v, g, beta, gate="channel", initial_state=initial_state, segment_ids=segment_ids,
-                  scale=scale)
+    scale = _check_inputs("chunk_kda", q, k, v, g, beta, gate="channel", initial_state=initial_state,
+                          segment_ids=segment_ids, scale=scale, gate_lower_bound=gate_lower_bound)
     return _delta(q, k, v, g, beta, gate="channel", scale=scale, initial_state=initial_state,
                   segment_ids=segment_ids, chunk_size=chunk_size, target=target, interpret=interpret,
                   gate_lower_bound=gate_lower_bound, **tuning)

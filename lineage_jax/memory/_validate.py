@@ -63,8 +63,9 @@ def require_shape(fn: str, name: str, x: Any, expected: tuple[int, ...], layout:
 
 
 def require_float(fn: str, name: str, x: Any) -> None:
-    if not jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.floating):
-        raise ValueError(f"{fn}: `{name}` must be a floating-point array, got dtype {x.dtype}")
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{fn}: `{name}` must be a floating-point array, got dtype {dtype}")
 
 
 def require_float_dtype(fn: str, name: str, dtype: Any) -> Any:

@@ -114,6 +114,7 @@ def _run(fn, q, k, v, g, beta, *, gate, erase, scale, initial_state, segment_ids
     if initial_state is not None:
         _single_state(fn, "initial_state", initial_state)
         V.require_shape(fn, "initial_state", initial_state, (B, H, K, Vd), "[B,H,K,V]")
+        V.require_float(fn, "initial_state", initial_state)
         V.check_finite(fn, "initial_state", initial_state)
     scale = V.resolve_scale(fn, scale, K)
     dt = _compute_dtype(q, k, v, g, beta)
@@ -491,6 +492,7 @@ def delta_corrections(
     U, W = core.ut_transform(overlaps, kk_, v_, beta_, decay_in)
     if initial_state is not None:
         V.require_shape(fn, "initial_state", initial_state, (B, H, K, Vd), "[B,H,K,V]")
+        V.require_float(fn, "initial_state", initial_state)
         V.check_finite(fn, "initial_state", initial_state)
         U = U - jnp.einsum("bhtk,bhkv->bhtv", W, initial_state.astype(dt), precision="highest")
     return jnp.moveaxis(U, 1, 2)

@@ -74,6 +74,9 @@ def make_inputs(seed, gates="uniform", dtype=np.float32, shape=None):
         for t0 in (16, 48):
             gc[:, t0:t0 + 16, :, :3] = -30.0
             gs[:, t0:t0 + 16] = -30.0
+    elif gates == "huge":  # mild gates and one of −1e4 inside every 16-token tile (the f32 gate floor's case)
+        gc, gs = -r.uniform(0, 0.2, (B, T, H, K)), -r.uniform(0, 0.2, (B, T, H))
+        gc[:, 7::16], gs[:, 7::16] = -1e4, -1e4
     elif gates == "strong":  # strong unbounded gates: about −20 per token
         gc, gs = -r.uniform(18, 22, (B, T, H, K)), -r.uniform(18, 22, (B, T, H))
     else:  # unbounded: heavy-tailed, some tokens near −1e3, some exactly 0
@@ -214,6 +217,14 @@ def test_fp32_forward_and_grads_match_the_reference(rule, docs):
                          + [("kda_bounded", "bound"), ("kda_bounded", "floor")])
 def test_extreme_gates(rule, gates):
     check(rule, make_inputs(1, gates=gates), True, 1e-4)
+
+
+@pytest.mark.parametrize("rule", ["kda", "gdn"])
+def test_huge_gates_keep_float32_precision(rule):
+    """f32: a gate of −1e4 inside a tile left the decays after it ~1e-3 off (differences of prefix sums near
+    1e4); raised to ``api.GATE_FLOOR`` (−110: the same decays in f32) every output and gradient stays within
+    5.4e-6 (KDA) and 5.0e-6 (GDN) of the reference on the CPU."""
+    check(rule, make_inputs(2, gates="huge"), True, 2e-5)
 
 
 @pytest.mark.parametrize("rule", ["kda", "delta", "gdn", "kda_bounded"])

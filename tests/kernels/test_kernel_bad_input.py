@@ -39,9 +39,19 @@ nan = float("nan")
     (lambda: kd.chunk_gated_delta_rule(q, k, v, None, beta), r"chunk_gated_delta_rule: `g` is required"),
     (lambda: kd.chunk_kda(q, k, v, g_s, beta), r"chunk_kda: `g` must have shape \[B, T, H, K\]"),
     (lambda: kd.chunk_delta_rule(q[:, :0], k[:, :0], v[:, :0], beta[:, :0]), r"chunk_delta_rule: `q` has T = 0 tokens"),
-    (lambda: kd.chunk_kda(q, k, v, g_c, beta, scale=nan), r"chunk_kda: `scale` must be a finite number > 0"),
+    (lambda: kd.chunk_kda(q, k, v, g_c, beta, scale=nan), r"chunk_kda: `scale` must be a finite real number"),
     (lambda: kd.chunk_gated_delta_rule(q, k, v, g_s, beta, scale="x"), r"chunk_gated_delta_rule: `scale` must be"),
-    (lambda: kd.chunk_delta_rule(q, k, v, beta, scale=-1.0), r"chunk_delta_rule: `scale` must be"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta, scale=jnp.ones(2)), r"chunk_delta_rule: `scale` must be"),
+    (lambda: jax.jit(lambda s: kd.chunk_delta_rule(q, k, v, beta, scale=s))(0.5),
+     r"chunk_delta_rule: `scale` must be a concrete number"),
+    # dtypes
+    (lambda: kd.chunk_delta_rule(q.astype(jnp.int32), k, v, beta), r"chunk_delta_rule: `q` must be a floating-point"),
+    (lambda: kd.chunk_delta_rule(q, k, v.astype(jnp.complex64), beta), r"chunk_delta_rule: `v` must be a floating"),
+    (lambda: kd.chunk_delta_rule(q, k, v, beta > 0), r"chunk_delta_rule: `beta` must be a floating-point"),
+    (lambda: kd.chunk_gated_delta_rule(q, k, v, jnp.zeros((B, T, H), jnp.int32), beta),
+     r"chunk_gated_delta_rule: `g` must be a floating-point"),
+    (lambda: kd.chunk_kda(q, k, v, g_c, beta, initial_state=jnp.zeros((B, H, D, D), jnp.int32)),
+     r"chunk_kda: `initial_state` must be a floating-point"),
     # launch knobs
     (lambda: kd.chunk_delta_rule(q, k, v, beta, bv=32), r"`bv` must be a power of two dividing the padded value dim"),
     (lambda: kd.chunk_delta_rule(q, k, v, beta, bv=3), r"`bv` must be a power of two"),
@@ -73,11 +83,28 @@ def test_traced_values_are_not_read(monkeypatch):
 
 
 @pytest.mark.parametrize("bound", [-0.3, -1.1])
-def test_gates_at_the_bound_are_accepted(bound):
-    """The bounded-gate check compares in the gates' float32: a gate at a bound float32 cannot hold passes."""
-    assert kd._check_gate_bound(jnp.full((B, T, H, D), bound), "channel", bound) == bound
-    with pytest.raises(ValueError, match="gate_lower_bound"):
-        kd._check_gate_bound(jnp.full((B, T, H, D), bound * 1.01), "channel", bound)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gates_at_the_bound_are_accepted(bound, dtype, monkeypatch):
+    """The bounded-gate check compares in the gates' own dtype (as the library's does): a gate at a bound that
+    dtype cannot hold passes; a gate below it is refused naming the entry point."""
+    monkeypatch.setattr(kd, "_delta", lambda q, k, v, g, beta, **kw: (v, None))
+    kd.chunk_kda(q, k, v, jnp.full((B, T, H, D), bound, dtype), beta, gate_lower_bound=bound)
+    with pytest.raises(ValueError, match=r"chunk_kda: `gate_lower_bound=.*` is set but the gates reach"):
+        kd.chunk_kda(q, k, v, jnp.full((B, T, H, D), bound * 1.02, dtype), beta, gate_lower_bound=bound)
+
+
+def test_scale_takes_any_finite_real_number():
+    """A NumPy scalar or a concrete 0-d array is a scale; negative and zero scales compute what the reference
+    does (the library's XLA form takes them too)."""
+    from kernels.delta import reference as kref
+    o1, _ = kd.chunk_delta_rule(q, k, v, beta, scale=jnp.float32(0.5))
+    o2, _ = kd.chunk_delta_rule(q, k, v, beta, scale=np.float64(0.5))
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+    for scale in (-0.7, 0.0):
+        o, S = kd.chunk_gated_delta_rule(q, k, v, g_s, beta, scale=scale)
+        o_ref, S_ref = kref.recurrent(q, k, v, beta, g_s, scale=scale)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(S), np.asarray(S_ref), rtol=1e-5, atol=1e-6)
 
 
 def test_a_misspelt_knob_is_named_by_the_entry_point():
