@@ -130,9 +130,19 @@ def timed_calls(fn: Callable, args: Sequence, reps: int, warmup: int = 0) -> lis
 
 
 def recorded_commit() -> Optional[str]:
-    """The commit a record names: :func:`git_commit`, or, in a copy of the source tree without git
-    metadata, the ``COMMIT`` environment variable (set by whoever made the copy); None if neither."""
-    return git_commit() or os.environ.get("COMMIT") or None
+    """The commit a record names: the ``COMMIT`` environment variable where set (by whoever made a copy of
+    the source tree: without git metadata, or with metadata naming an older commit than the code), else
+    :func:`git_commit`; None if neither."""
+    return os.environ.get("COMMIT") or git_commit() or None
+
+
+def recorded_dirty() -> Optional[bool]:
+    """:func:`git_dirty` where the recorded commit is git's own; None (unknown) where ``COMMIT`` names
+    another commit (git's status then compares against the wrong one)."""
+    named, head = os.environ.get("COMMIT"), git_commit()
+    if named and not (head and head.startswith(named)):
+        return None
+    return git_dirty()
 
 
 def provenance(name: str, quick: bool) -> dict:
@@ -144,7 +154,7 @@ def provenance(name: str, quick: bool) -> dict:
         "quick": bool(quick),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": recorded_commit(),
-        "git_dirty": git_dirty(),
+        "git_dirty": recorded_dirty(),
         "jax_version": jax.__version__,
         "python_version": platform.python_version(),
         "device": device_info(),
