@@ -311,19 +311,21 @@ def family_of(cfg: ModelConfig) -> str:
     """The family whose ``transformers`` layout can hold a model of ``cfg`` (else :class:`HFError`)."""
     p = set(cfg.pattern)
     if p == {"S"} and cfg.positions == "learned" and cfg.norm == "layernorm" and cfg.ffn_kind == "gelu" \
-            and cfg.attn_bias and cfg.num_experts == 0 and cfg.num_kv_heads in (None, cfg.num_heads):
+            and cfg.attn_bias and cfg.num_experts == 0 and cfg.num_kv_heads in (None, cfg.num_heads) \
+            and not cfg.attnres_block and cfg.resolved_head_dim * cfg.num_heads == cfg.d_model:
         return "gpt2"
     if cfg.norm == "rmsnorm" and cfg.ffn_kind == "swiglu" and not cfg.attnres_block and cfg.positions == "none" \
             and cfg.moe_latent_dim is None and cfg.moe_activation == "swiglu" and not cfg.mla_output_gate:
         if p <= {"K", "M"} and "K" in p and not cfg.mla_rope and cfg.kda_gate == "softplus" \
                 and cfg.kda_output_gate == "lowrank" and cfg.kda_gate_rank in (None, cfg.resolved_head_dim) \
-                and cfg.conv_size >= 2 and cfg.rope_scaling == "none":
+                and cfg.conv_size >= 2 and cfg.rope_scaling == "none" and cfg.mla_softmax_scale is None:
             return "kimi_linear"
         if p == {"M"} and cfg.mla_rope:
             return "deepseek_v3"
     raise HFError(f"ModelConfig {cfg.name!r} (pattern {cfg.pattern!r}) has no transformers layout here: "
-                  "supported are GPT-2 (S layers, learned positions, LayerNorm, GELU), Kimi Linear (K and M layers, "
-                  "NoPE MLA, SwiGLU, plain residual) and DeepSeek-V3 (M layers with RoPE)")
+                  "supported are GPT-2 (S layers, learned positions, LayerNorm, GELU, heads of d_model / num_heads, "
+                  "plain residual), Kimi Linear (K and M layers, NoPE MLA at its default softmax scale, SwiGLU, "
+                  "plain residual) and DeepSeek-V3 (M layers with RoPE)")
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

@@ -246,6 +246,21 @@ def test_save_refuses_a_model_without_a_transformers_layout(tmp_path):
         hf.save(model, str(tmp_path))
 
 
+@pytest.mark.parametrize("name,base,change", [("tiny_gpt2", {}, dict(attnres_block=1)),
+                                              ("tiny_gpt2", {}, dict(head_dim=8)),
+                                              ("tiny_kimi_linear", dict(attnres_block=0), dict(mla_softmax_scale=0.5))])
+def test_save_refuses_settings_a_layout_cannot_hold(name, base, change, tmp_path):
+    """Block AttnRes in a GPT-2 model (its queries had no place), GPT-2 heads narrower than d_model / num_heads,
+    a Kimi Linear MLA softmax scale: refused before anything is written (they were saved without it, and the
+    reloaded model computed other logits; the head width failed in a reshape)."""
+    from lineage_jax.models import get_config
+    model = nnx.eval_shape(lambda: Decoder(get_config(name, **base, **change), rngs=nnx.Rngs(0)))
+    with pytest.raises(hf.HFError, match="no transformers layout"):
+        hf.save(model, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    hf.family_of(get_config(name, **base))  # without the change it has a layout
+
+
 def test_config_to_hf_refuses_grouped_value_heads_for_kimi():
     cfg = _model("kimi_linear").cfg
     with pytest.raises(hf.HFError, match="num_v_heads"):
