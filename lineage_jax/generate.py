@@ -69,12 +69,18 @@ def _abstract_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
     return out["graphdef"], abstract
 
 
+MIN_TEMPERATURE = 1e-30  # a normal float32: logits a rounding step apart stay ~1e23 apart, greedy in effect
+
+
 def sample_token(logits: jax.Array, key: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0) -> jax.Array:
-    """``logits [B, V]`` -> token ids ``[B]``. ``temperature = 0`` is greedy."""
+    """``logits [B, V]`` -> token ids ``[B]``. ``temperature = 0`` is greedy; the logits are shifted to a
+    maximum of 0 before they are divided, and a temperature below ``MIN_TEMPERATURE`` is taken as it (a
+    float32 division by it overflowed every logit, and the draw took token 0)."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1)
-    logits = logits.astype(jnp.float32) / temperature
+    logits = logits.astype(jnp.float32)
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / max(float(temperature), MIN_TEMPERATURE)
     if top_k:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -151,14 +157,18 @@ def _sample_rows(fn, model, prompts, *, max_new_tokens, temperature, top_k, top_
         raise ValueError(f"{fn}: `temperature` must be finite and >= 0, got {temperature!r}")
     if not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
         raise ValueError(f"{fn}: `top_p` must be in (0, 1], got {top_p!r}")
-    if eos_id is not None and not is_int(eos_id):
-        raise ValueError(f"{fn}: `eos_id` must be an int token id or None, got {eos_id!r}")
+    if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < cfg.vocab_size):
+        raise ValueError(f"{fn}: `eos_id` must be an int token id in [0, vocab_size={cfg.vocab_size}) or None, "
+                         f"got {eos_id!r}")
+    if not is_int(seed) or not 0 <= seed < 2 ** 32:
+        raise ValueError(f"{fn}: `seed` must be an int in [0, 2**32), got {seed!r}")
     lens = np.array([len(p) for p in prompts])
     B, first, longest = len(prompts), int(lens.min()), int(lens.max())
     max_len = longest + max_new_tokens
-    if cfg.positions == "learned" and max_len > cfg.max_seq_len:
+    fed = max(longest, max_len - 1)  # the positions fed (the last sampled token is not)
+    if cfg.positions == "learned" and fed > cfg.max_seq_len:
         name = "prompt" if fn == "generate" else "the longest prompt"
-        raise ValueError(f"{fn}: {name} + max_new_tokens = {max_len} exceeds max_seq_len={cfg.max_seq_len}")
+        raise ValueError(f"{fn}: {name} + max_new_tokens - 1 = {fed} positions exceed max_seq_len={cfg.max_seq_len}")
     ids = np.zeros((B, longest), np.int32)
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = p
@@ -342,17 +352,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     printed = [0]
     sys.stdout.write(shown)
 
-    def stream(tokens):
+    def stream(tokens, last=False):
+        # a character whose bytes are still arriving decodes to U+FFFD: held back until it is whole (or the end)
         text = tok.decode(tokens)
-        sys.stdout.write(text[printed[0]:])
+        upto = len(text) if last else len(text.rstrip("\ufffd"))
+        sys.stdout.write(text[printed[0]:upto])
         sys.stdout.flush()
-        printed[0] = len(text)
+        printed[0] = max(printed[0], upto)
 
     try:
-        _, stats = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id, on_token=stream)
+        new, stats = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,
+                              on_token=stream)
     except ValueError as e:
         p.error(str(e))
+    stream(new, last=True)
     sys.stdout.write("\n")
     print(f"[prefill {stats['prompt_tokens']} tok at {stats['prefill_tokens_per_s']:,.0f} tok/s (incl. compile); "
           f"decode {stats['new_tokens']} tok: the first step {stats['first_decode_s']:.2f} s (incl. compile), "

@@ -25,6 +25,12 @@ def model():
     (dict(temperature=math.inf), r"`temperature` must be finite"),
     (dict(top_k=1000), r"`top_k` must be an int in \[0, vocab_size=256\], got 1000"),
     (dict(top_p=math.nan), r"`top_p` must be in \(0, 1\], got nan"),
+    (dict(seed=1.5), r"`seed` must be an int in \[0, 2\*\*32\), got 1.5"),
+    (dict(seed=None), r"`seed` must be an int"),
+    (dict(seed=2 ** 40), r"`seed` must be an int"),   # jax.random.key keeps its low 32 bits: 2**40 is 0's key
+    (dict(eos_id=256), r"`eos_id` must be an int token id in \[0, vocab_size=256\) or None, got 256"),
+    (dict(eos_id=-3), r"`eos_id` must be an int token id"),
+    (dict(prompt=[1] * 500, max_new_tokens=14), r"prompt \+ max_new_tokens - 1 = 513 positions exceed max_seq_len"),
 ])
 def test_generate_names_the_bad_argument(model, kw, match):
     kw = {"prompt": [1, 2], **kw}

@@ -69,3 +69,37 @@ def test_generate_batch_refuses_bad_prompts():
         generate_batch(model, [[1], [2] * 500], max_new_tokens=20)
     with pytest.raises(ValueError, match="`eos_id`"):
         generate_batch(model, [[1]], max_new_tokens=2, eos_id="2")
+
+
+def test_learned_positions_fill_the_table_and_a_tiny_temperature_is_greedy():
+    """The last sampled token is not fed back: a prompt of 500 and 13 new tokens need 512 of tiny_gpt2's 512
+    positions (refused one short before). A temperature of 1e-39 (subnormal in float32) samples the greedy
+    tokens (it took token 0: every logit overflowed)."""
+    model = Decoder(get_config("tiny_gpt2"), rngs=nnx.Rngs(0))
+    assert len(generate(model, [1] * 500, max_new_tokens=13, temperature=0)[0]) == 13
+    greedy = generate(model, [1, 2, 3], max_new_tokens=4, temperature=0)[0]
+    assert generate(model, [1, 2, 3], max_new_tokens=4, temperature=1e-39)[0] == greedy
+
+
+def test_the_cli_prints_a_character_whose_bytes_arrive_one_token_at_a_time(monkeypatch, capsys):
+    """The byte tokenizer's tokens are bytes: a multi-byte character is printed once whole (its partial
+    decodes, U+FFFD, were printed and the character never)."""
+    import types
+
+    import lineage_jax.generate as G
+    model = Decoder(get_config("tiny_gpt2"), rngs=nnx.Rngs(0))
+    target = list(" café €".encode())
+
+    def fake_generate(model, prompt, *, on_token, **kw):
+        out = []
+        for t in target:
+            out.append(t)
+            on_token(list(out))
+        return out, {"prompt_tokens": len(prompt), "prefill_tokens_per_s": 0.0, "new_tokens": len(out),
+                     "first_decode_s": 0.0, "decode_tokens_per_s": 0.0}
+
+    monkeypatch.setattr(G, "load", lambda workdir: (model, types.SimpleNamespace(tokenizer="byte")))
+    monkeypatch.setattr(G, "generate", fake_generate)
+    assert G.main(["--workdir", "unused", "--prompt", "hi"]) == 0
+    assert capsys.readouterr().out == "hi café €\n"
+
