@@ -76,7 +76,7 @@ def decoupled_decay(lr: optax.Schedule, weight_decay: float, mask) -> optax.Grad
         if params is None:
             raise ValueError("decoupled_decay: the update needs `params`")
         rate = lr(state.count) * weight_decay
-        updates = jax.tree.map(lambda u, p, m: u - rate * p if m else u, updates, params, mask)
+        updates = jax.tree.map(lambda u, p, m: (u - rate * p).astype(u.dtype) if m else u, updates, params, mask)
         return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init, update)
