@@ -153,26 +153,33 @@ def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array
         its 32-bit offsets (``conv_pallas.fits``).
     Returns:
       ``(y [B, T, C], new_prefix [B, W−1, C])``; the new prefix keeps the incoming
-      prefix's dtype (a cache's dtype does not change from step to step).
+      prefix's dtype (a cache's dtype does not change from step to step) and holds only the last
+      document's inputs (zeros before its start), as a sequence start's does.
     """
     V.require_bool("causal_conv", "kernel", kernel)
     B, T, C = x.shape
     W = w.shape[0]
     from lineage_jax.layers import conv_pallas
+    docp = None if doc is None else jnp.concatenate([jnp.zeros((B, W - 1), doc.dtype), doc], axis=1)
+
+    def last_document(tail):  # the last W−1 inputs, those of earlier documents zeroed
+        if docp is None:
+            return tail
+        return tail * (docp[:, T:] == doc[:, -1:])[..., None].astype(tail.dtype)
+
     if kernel and prefix is None and conv_pallas.fits(x):
         xp = jnp.concatenate([jnp.zeros((B, W - 1, C), x.dtype), x[:, max(T - (W - 1), 0):]], axis=1)
-        return conv_pallas.causal_conv(x, w, doc), xp[:, xp.shape[1] - (W - 1):]
+        return conv_pallas.causal_conv(x, w, doc), last_document(xp[:, xp.shape[1] - (W - 1):])
     if prefix is None:
         prefix = jnp.zeros((B, W - 1, C), x.dtype)
     xp = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
-    docp = None if doc is None else jnp.concatenate([jnp.zeros((B, W - 1), doc.dtype), doc], axis=1)
     y = jnp.zeros((B, T, C), jnp.float32)
     for i in range(W):
         tap = xp[:, W - 1 - i: W - 1 - i + T].astype(jnp.float32) * w[i].astype(jnp.float32)
         if docp is not None:
             tap = tap * (docp[:, W - 1 - i: W - 1 - i + T] == doc)[..., None]
         y = y + tap
-    return y.astype(x.dtype), xp[:, T:].astype(prefix.dtype)
+    return y.astype(x.dtype), last_document(xp[:, T:]).astype(prefix.dtype)
 
 
 class MemoryMixer(nnx.Module):
