@@ -233,8 +233,9 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: `activation` must be one of {ACTIVATIONS}, got {activation!r}")
         if dispatch not in DISPATCHES:
             raise ValueError(f"MoE: `dispatch` must be one of {DISPATCHES}, got {dispatch!r}")
-        if not capacity_factor > 0:
-            raise ValueError(f"MoE: `capacity_factor` must be positive, got {capacity_factor}")
+        if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
+                or not math.isfinite(capacity_factor) or not capacity_factor > 0):
+            raise ValueError(f"MoE: `capacity_factor` must be a positive finite number, got {capacity_factor!r}")
         if latent_dim is not None and (not V.is_int(latent_dim) or latent_dim <= 0):
             raise ValueError(f"MoE: `latent_dim` must be a positive int or None, got {latent_dim!r}")
         if not (isinstance(n_group, int) and n_group >= 1 and num_experts % n_group == 0):

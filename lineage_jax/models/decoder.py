@@ -355,6 +355,8 @@ class Decoder(nnx.Module):
             want = "[B,T]" if rank == 2 else "[B]"
             raise ValueError(f"Decoder.{fn}: `{name}` must be an integer array {want}, "
                              f"got {tokens.dtype}{tuple(tokens.shape)}")
+        if rank == 2 and tokens.shape[1] == 0:
+            raise ValueError(f"Decoder.{fn}: `tokens` holds no tokens (shape {tuple(tokens.shape)}); need T >= 1")
         _check_ids(f"Decoder.{fn}", name, tokens, self.cfg.vocab_size, "vocab_size")
 
     def _check_cache(self, fn: str, cache: DecoderCache, batch: int, new_tokens: int) -> None:

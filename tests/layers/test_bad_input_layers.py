@@ -1,6 +1,8 @@
 """Bad input to the layers, ModelConfig and the Decoder gets a ValueError naming the argument (or
 field), before anything is computed or changed; traced values are not read."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +62,9 @@ def config(**kw):
     (lambda: moe(num_shared_experts=1, shared_hidden=4.0), "MoE: `shared_hidden` must be a positive int"),
     (lambda: moe(routed_scaling_factor=nan), "MoE: `routed_scaling_factor` must be a positive finite"),
     (lambda: moe(routed_scaling_factor=-1.0), "MoE: `routed_scaling_factor`"),
+    (lambda: moe(dispatch="capacity", capacity_factor=math.inf), "MoE: `capacity_factor` must be a positive finite"),
+    (lambda: moe(dispatch="capacity", capacity_factor="2"), "MoE: `capacity_factor` must be a positive finite"),
+    (lambda: moe(dispatch="capacity", capacity_factor=True), "MoE: `capacity_factor` must be a positive finite"),
     (lambda: mixer().init_cache(0), "MemoryMixer.init_cache: `batch` must be a positive int"),
     (lambda: mla().init_cache(True, 8), "MLA.init_cache: `batch` must be a positive int"),
 ])
@@ -279,6 +284,8 @@ def test_decoder_refuses_ids_outside_its_tables(learned):
         (lambda: m.decode(tok[:, 0], m.init_cache(1, 32)._replace(length=jnp.full((1,), 16, jnp.int32))),
          r"Decoder.decode: position 16 exceeds"),
         (lambda: m.forward(tok, segment_ids=jnp.zeros((1, 9), jnp.int32)), r"Decoder.forward: `segment_ids`"),
+        (lambda: m.forward(tok[:, :0]), r"Decoder.forward: `tokens` holds no tokens \(shape \(1, 0\)\)"),
+        (lambda: m.prefill(tok[:, :0], m.init_cache(1, 32)), r"Decoder.prefill: `tokens` holds no tokens"),
     ]:
         with pytest.raises(ValueError, match=match):
             call()
