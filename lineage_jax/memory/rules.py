@@ -43,22 +43,25 @@ def _compute_dtype(*arrays: Any) -> jnp.dtype:
 
 
 def _check_sequence(fn, q, k, v, g, beta, gate, initial_state, segment_ids, mode, chunk_size, value_cols=0, *,
-                    erase=True, gate_lower_bound=None):
+                    erase=True, gate_lower_bound=None, lead="q"):
     """Validate a sequence call (``beta`` required when the rule erases; ``gate_lower_bound``: the
-    per-channel gate's promised bound, checked on concrete gates). Returns ``(B, T, H, K, Vd)``."""
+    per-channel gate's promised bound, checked on concrete gates; ``lead``: the name of the argument the
+    shapes are read from, ``"k"`` where there is no ``q``). Returns ``(B, T, H, K, Vd)``."""
     V.check_mode(fn, mode)
     if chunk_size is not None:  # None: the backend's own chunk
         V.check_chunk_size(fn, chunk_size)
-    V.require_rank(fn, "q", q, 4, "[B,T,H,K]")
+    V.require_rank(fn, lead, q, 4, "[B,T,H,K]")
     B, T, H, K = V.shape_of(q)
     if T == 0:
-        raise ValueError(f"{fn}: `q` has T = 0 tokens; need at least one")
-    V.require_shape(fn, "k", k, (B, T, H, K), "[B,T,H,K] (same as q)")
+        raise ValueError(f"{fn}: `{lead}` has T = 0 tokens; need at least one")
+    if lead != "k":
+        V.require_shape(fn, "k", k, (B, T, H, K), f"[B,T,H,K] (same as {lead})")
     V.require_rank(fn, "v", v, 4, "[B,T,H,V]")
     if V.shape_of(v)[:3] != (B, T, H):
-        raise ValueError(f"{fn}: `v` must have shape [B,T,H,V] with B,T,H = {(B, T, H)} as in q, got {V.shape_of(v)}")
+        raise ValueError(f"{fn}: `v` must have shape [B,T,H,V] with B,T,H = {(B, T, H)} as in {lead}, "
+                         f"got {V.shape_of(v)}")
     Vd = V.shape_of(v)[3]
-    for name, a in (("q", q), ("k", k), ("v", v)):
+    for name, a in [(lead, q)] + ([("k", k)] if lead != "k" else []) + [("v", v)]:
         V.require_float(fn, name, a)
     if gate == _GATE_SCALAR:
         V.require_shape(fn, "g", g, (B, T, H), "[B,T,H]")
@@ -443,6 +446,8 @@ def _augmented_state(fn, state, shape, dtype, name="initial_state"):
     S, z = state
     V.require_shape(fn, f"{name}[0] (S)", S, (B, H, K, Vd), "[B,H,K,V]")
     V.require_shape(fn, f"{name}[1] (z)", z, (B, H, K), "[B,H,K]")
+    V.require_float(fn, f"{name}[0] (S)", S)
+    V.require_float(fn, f"{name}[1] (z)", z)
     dt = jnp.result_type(dtype, S, z)
     return jnp.concatenate([S.astype(dt), z.astype(dt)[..., None]], axis=-1)
 
@@ -482,7 +487,7 @@ def delta_corrections(
     V.require_rank(fn, "k", k, 4, "[B,T,H,K]")
     B, T, H, K = V.shape_of(k)
     gate = _GATE_NONE if g is None else (_GATE_SCALAR if np.ndim(g) == 3 else _GATE_CHANNEL)
-    _, _, _, _, Vd = _check_sequence(fn, k, k, v, g, beta, gate, None, None, "chunked", T)
+    _, _, _, _, Vd = _check_sequence(fn, k, k, v, g, beta, gate, None, None, "chunked", None, lead="k")
     dt = _compute_dtype(k, v, g, beta)
     to_bh = lambda a: None if a is None else jnp.moveaxis(jnp.asarray(a).astype(dt), 2, 1)  # [B,H,T,...]
     kk_, v_, beta_ = to_bh(k), to_bh(v), to_bh(beta)

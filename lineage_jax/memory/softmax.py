@@ -65,6 +65,8 @@ def kv_cache_from_prefill(k: Array, v: Array, max_len: int) -> KVCache:
     B, T, Hk, _ = V.shape_of(k)
     if V.shape_of(v)[:3] != (B, T, Hk):
         raise ValueError(f"{fn}: `v` must match `k` in [B,T,Hkv] = {(B, T, Hk)}, got {V.shape_of(v)}")
+    V.require_float(fn, "k", k)
+    V.require_float(fn, "v", v)
     if not V.is_int(max_len) or max_len < T:
         raise ValueError(f"{fn}: `max_len` must be an int >= the prompt length {T}, got {max_len!r}")
     max_len = int(max_len)
@@ -208,11 +210,15 @@ def softmax_attention_extend(q: Array, k: Array, v: Array, cache: KVCache, *, sc
     fn = "softmax_attention_extend"
     V.require_rank(fn, "q", q, 4, "[B,T,H,K]")
     B, T, H, K = V.shape_of(q)
+    if T == 0:
+        raise ValueError(f"{fn}: `q` has T = 0 tokens; need at least one")
     V.require_float(fn, "q", q)
     check_kv_cache(fn, cache, B, K)
     _, L, Hk, _ = V.shape_of(cache.k)
     V.require_shape(fn, "k", k, (B, T, Hk, K), "[B,T,Hkv,K] (as the cache)")
     V.require_shape(fn, "v", v, (B, T, Hk, cache.v.shape[-1]), "[B,T,Hkv,V] (as the cache)")
+    V.require_float(fn, "k", k)
+    V.require_float(fn, "v", v)
     _check_heads(fn, H, Hk)
     V.check_segment_ids(fn, segment_ids, B, T)
     if V.is_concrete(cache.length) and V.max_filled(cache.length) + T > L:
@@ -353,6 +359,8 @@ def softmax_attention_step(q_t: Array, k_t: Array, v_t: Array, cache: KVCache, *
     _, L, Hk, _ = V.shape_of(cache.k)
     V.require_shape(fn, "k_t", k_t, (B, Hk, K), "[B,Hkv,K] (as the cache)")
     V.require_shape(fn, "v_t", v_t, (B, Hk, cache.v.shape[-1]), "[B,Hkv,V] (as the cache)")
+    V.require_float(fn, "k_t", k_t)
+    V.require_float(fn, "v_t", v_t)
     read = resolve_read(fn, read, reuse=_check_heads(fn, H, Hk))
     if read == "dot":
         o, cache = softmax_attention_extend(q_t[:, None], k_t[:, None], v_t[:, None], cache, scale=scale)
