@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,17 +130,31 @@ def timed_calls(fn: Callable, args: Sequence, reps: int, warmup: int = 0) -> lis
     return times
 
 
+COMMIT_ENV = "LINEAGE_COMMIT"  # names the commit of a copied source tree (recorded_commit)
+
+
+def named_commit() -> Optional[str]:
+    """The commit ``LINEAGE_COMMIT`` names (7 to 40 lowercase hex digits), or None where it is unset or
+    empty; any other value is refused by name (a record must not carry a wrong commit)."""
+    named = os.environ.get(COMMIT_ENV, "").strip()
+    if not named:
+        return None
+    if not re.fullmatch(r"[0-9a-f]{7,40}", named):
+        raise ValueError(f"{COMMIT_ENV} must name a commit as 7 to 40 lowercase hex digits, got {named!r}")
+    return named
+
+
 def recorded_commit() -> Optional[str]:
-    """The commit a record names: the ``COMMIT`` environment variable where set (by whoever made a copy of
-    the source tree: without git metadata, or with metadata naming an older commit than the code), else
+    """The commit a record names: :func:`named_commit` where set (by whoever made a copy of the source
+    tree: without git metadata, or with metadata naming an older commit than the code), else
     :func:`git_commit`; None if neither."""
-    return os.environ.get("COMMIT") or git_commit() or None
+    return named_commit() or git_commit() or None
 
 
 def recorded_dirty() -> Optional[bool]:
-    """:func:`git_dirty` where the recorded commit is git's own; None (unknown) where ``COMMIT`` names
-    another commit (git's status then compares against the wrong one)."""
-    named, head = os.environ.get("COMMIT"), git_commit()
+    """:func:`git_dirty` where the recorded commit is git's own; None (unknown) where ``LINEAGE_COMMIT``
+    names another commit (git's status then compares against the wrong one)."""
+    named, head = named_commit(), git_commit()
     if named and not (head and head.startswith(named)):
         return None
     return git_dirty()

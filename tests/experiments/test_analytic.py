@@ -45,7 +45,7 @@ def _assert_files(record: dict):
     for key in ("date", "git_commit", "git_dirty", "jax_version", "device"):
         assert key in on_disk
     assert on_disk["jax_version"] and on_disk["device"]["platform"]
-    assert on_disk["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}", on_disk["git_commit"])
+    assert on_disk["git_commit"] is None or re.fullmatch(r"[0-9a-f]{7,40}", on_disk["git_commit"])
     return on_disk
 
 

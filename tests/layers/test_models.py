@@ -223,8 +223,12 @@ def test_scan_unroll_is_the_same_model_without_the_layer_loop():
     assert layer_loop(unrolled) == [(n, n)]                      # every step of the layer loop unrolled
     (l1, g1), (l2, g2) = (nnx.jit(nnx.value_and_grad(loss))(m) for m in (looped, unrolled))
     assert rel(l1, l2) <= 1e-6
+    # each gradient to 1e-5 of its own size, or of 1e-3 of the largest one: the key projection's bias has a
+    # gradient of exactly 0 (softmax is invariant to it), rounding noise of ~1e-13 that differs by backend
+    top = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(g2))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2)):
-        assert rel(a, b) <= 1e-5, jax.tree_util.keystr(path)
+        err = float(jnp.max(jnp.abs(a - b)))
+        assert err <= 1e-5 * max(float(jnp.max(jnp.abs(b))), 1e-3 * top), (jax.tree_util.keystr(path), err)
 
 
 def test_remat_policy_names():
