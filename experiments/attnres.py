@@ -37,11 +37,9 @@ each scored at its best lr by final validation loss.
 **Budgets**: ``--quick`` (2 CPU cores, ≲3 min): 16 layers, d 32, blocks of 2, 120 steps of
 8 × 64 bytes, one lr, baseline extension to 2× — a smoke run. Full: 32 layers, d 128
 (4 heads × 32), blocks of 4 (8 blocks), 800 steps of 32 × 256 bytes, lrs 1e-3 and 3e-3,
-baseline extended to 1.25× and 1.5× (bracketing the reported 1.25×; the first H200 run put the
-crossing at 1.17×, so 2× was never reached): 3800 steps, about 5 minutes on one H200 (measured
-2026-11-29, one process alone on the GPU: plain 800 steps in 50 s, AttnRes in 90 s — a step
-1.8× dearer at this width, before the stream's read stopped copying its source buffer (CPU:
-1.39× → 1.10×) — plain ×1.5 in 73 s, compile ≈ 20 s each, overlapped). Each finished run is
+baseline extended to 1.25× and 1.5× (bracketing the reported 1.25×): 3800 steps, about 5
+minutes on one H200 (one process alone on the GPU: plain 800 steps in 50 s, AttnRes in 90 s,
+plain ×1.5 in 73 s, compile ≈ 20 s each, overlapped; measured 2026-11-29). Each finished run is
 saved to ``attnres.partial.json`` at once, with the depth profiles of the two compared models (probed as soon as each is trained,
 before the baseline extensions), so a run cut short keeps what it trained.
 """

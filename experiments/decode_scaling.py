@@ -43,16 +43,14 @@ and writes it back whole — a copy of the cache per step that XLA does not remo
 H200, MHA at 1M tokens and batch 1 took 105.8 ms scanned; reading its 34 GB cache once takes
 ≈ 7 ms). On the CPU (2026-11-30, d 256, 4 heads × 64, bf16, 64K tokens, batch 1) unscanning
 took MHA's step from 222 to 140 ms and MLA's from 18.3 to 13.9 ms; KDA's (0.95 → 1.11 ms) and
-the hybrid's (3.2 ms) barely move. The H200 numbers in ``docs/results.md`` up to commit
-``6c360cc`` were measured scanned.
+the hybrid's (3.2 ms) barely move.
 
 **Read rate**: each measured point also reports ``read_gb_per_s`` = (the weights a step reads +
 the whole cache) / step time — the least a step must read, so against the device's memory
 bandwidth (H200: 4.8 TB/s) it says how close the step is to its roofline. A step reads every
 weight but the untied embedding table, of which it gathers its batch's rows (the LM head is read
 whole): :func:`weights_read`. ``--rederive RECORD.json ...`` recomputes a record's bytes read,
-read rates and bytes-read ratios by this rule from its measured times (records of commits before
-it counted the whole table).
+read rates and bytes-read ratios by this rule from its measured times.
 
 **Kimi Linear's claim** (tech report, 2025): against full MLA attention at 1M tokens the 3:1
 hybrid decodes with 6.3× lower time per output token when the freed memory is spent on
