@@ -4,8 +4,8 @@
 #
 #   bash launch/device_jobs.sh SECONDS 'python -m experiments.attnres' [SECONDS 'command' ...]
 #
-# Meant for a machine that gets a copy of the repository and whose results are collected as one
-# archive — a cloud VM, a batch-queue node — and for any single-GPU box. Environment variables:
+# For a machine whose results come back as one archive (a cloud VM, a batch-queue node) and
+# for any single-GPU box. Environment variables:
 # OUT, the folder the archive goes to (default /tmp/device_out); RESULTS, the results root the
 # jobs write to (default /tmp/device_results). The script
 #
@@ -31,6 +31,14 @@ if [ $# -lt 2 ] || [ $(($# % 2)) -ne 0 ]; then
     echo "usage: bash launch/device_jobs.sh SECONDS 'command' [SECONDS 'command' ...]" >&2
     exit 2
 fi
+n=0
+for arg in "$@"; do  # every job's limit checked before the first job runs
+    n=$((n + 1))
+    if [ $((n % 2)) -eq 1 ] && ! timeout "$arg" true 2> /dev/null; then
+        echo "device_jobs: job $(((n + 1) / 2)): SECONDS must be a duration timeout(1) takes (e.g. 600, 10m), got '$arg'" >&2
+        exit 2
+    fi
+done
 OUT=${OUT:-/tmp/device_out}
 RESULTS=${RESULTS:-/tmp/device_results}
 mkdir -p "$OUT" "$RESULTS/logs"

@@ -24,6 +24,8 @@ while (( $# > 0 )); do
 done
 (( $# > 0 )) || die "give training arguments after --, e.g. -- --config tiny_kda --steps 100 --workdir runs/x"
 [[ "$nodes" =~ ^[0-9]+$ && "$rank" =~ ^[0-9]+$ ]] || die "--nodes and --node-rank must be integers"
+nodes=$((10#$nodes)) rank=$((10#$rank))  # decimal, leading zeros and all (bash reads 08 as octal)
+(( nodes >= 1 )) || die "--nodes must be at least 1, got $nodes"
 (( rank < nodes )) || die "--node-rank $rank must be < --nodes $nodes"
 
 [[ -n "$gpus" ]] && export CUDA_VISIBLE_DEVICES="$gpus"

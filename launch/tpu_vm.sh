@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Train on a Cloud TPU VM slice: create it, install this repository on every worker,
 # run the same command on all workers (JAX initialises multi-host itself), fetch
-# results from worker 0, delete the slice.
+# the run's --workdir from worker 0 (also when the run fails), delete the slice.
 #
 #   launch/tpu_vm.sh create|install|run|fetch|delete|all [-- TRAIN ARGS...]
+#   (fetch takes the training arguments too, for their --workdir; default runs/)
 #
 # Settings (environment):
 #   TPU_NAME          slice name                       (default: lineage-$USER)
@@ -13,6 +14,7 @@
 #   PROJECT           gcloud project                   (default: gcloud's configured project)
 #   SPOT              1 to request spot capacity       (default: 0)
 #   REMOTE_DIR        checkout path on the workers     (default: lineage_jax)
+#   FETCH_DIR         where fetch copies the workdir   (default: runs_remote/ in this repository)
 #
 # Example: ZONE=us-east5-a ACCELERATOR_TYPE=v5p-32 RUNTIME_VERSION=v2-alpha-tpuv5 \
 #   launch/tpu_vm.sh all -- --config tiny_k3 --steps 1000 --workdir runs/k3 --mesh fsdp=4,expert=4
@@ -24,6 +26,7 @@ RUNTIME_VERSION=${RUNTIME_VERSION:-v2-alpha-tpuv5-lite}
 REMOTE_DIR=${REMOTE_DIR:-lineage_jax}
 SPOT=${SPOT:-0}
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+FETCH_DIR=${FETCH_DIR:-$REPO_ROOT/runs_remote}
 
 die() { echo "tpu_vm.sh: $*" >&2; exit 2; }
 [[ -n "${ZONE:-}" ]] || die "set ZONE (e.g. ZONE=us-east5-a)"
@@ -58,10 +61,23 @@ run() {
   gcloud_tpu ssh "$TPU_NAME" --worker=all --command "cd $REMOTE_DIR && python3 -m lineage_jax.train $quoted"
 }
 
+workdir_of() {  # the --workdir among the training arguments (default: runs)
+  local dir=runs prev=""
+  for a in "$@"; do
+    [[ "$prev" == "--workdir" ]] && dir=$a
+    [[ "$a" == --workdir=* ]] && dir=${a#--workdir=}
+    prev=$a
+  done
+  echo "$dir"
+}
+
 fetch() {
-  mkdir -p "$REPO_ROOT/runs_remote"
-  gcloud_tpu scp --recurse "$TPU_NAME:$REMOTE_DIR/runs" "$REPO_ROOT/runs_remote/" --worker=0
-  echo "fetched into $REPO_ROOT/runs_remote"
+  local dir src
+  dir=$(workdir_of "$@")
+  if [[ "$dir" == /* ]]; then src=$dir; else src=$REMOTE_DIR/$dir; fi
+  mkdir -p "$FETCH_DIR"
+  gcloud_tpu scp --recurse "$TPU_NAME:$src" "$FETCH_DIR/" --worker=0
+  echo "fetched $src into $FETCH_DIR"
 }
 
 delete() {
@@ -76,14 +92,17 @@ case "$cmd" in
   create) create ;;
   install) install ;;
   run) run "$@" ;;
-  fetch) fetch ;;
+  fetch) fetch "$@" ;;
   delete) delete ;;
   all)
     create
     trap delete EXIT
     install
-    run "$@"
-    fetch
+    rc=0
+    run "$@" || rc=$?
+    # what the run wrote comes back before the slice goes, whether the run finished or not
+    fetch "$@" || { echo "tpu_vm.sh: fetch failed" >&2; (( rc != 0 )) || rc=1; }
+    exit "$rc"
     ;;
   *) die "unknown command '$cmd' (create|install|run|fetch|delete|all)" ;;
 esac
