@@ -21,7 +21,7 @@ from typing import Union
 import numpy as np
 from flax import nnx
 
-from lineage_jax.memory._validate import require_positive_int
+from lineage_jax.memory._validate import require_bool, require_positive_int
 from lineage_jax.layers.memory_mixer import RULES
 from lineage_jax.models.config import MIXERS, ModelConfig, get_config
 
@@ -125,10 +125,12 @@ def state_bytes(config: ConfigLike, dtype_bytes: int = 4, *, include_conv: bool 
 
     Each fixed-state layer holds ``H · K · V`` (``H``: the value heads of the delta rules;
     linear attention also its normalizer ``H · K``). With ``include_conv``, the short-conv
-    buffers (``(conv_size − 1) · (2 H_qk K + H V)`` per layer) are added.
+    buffers (``(conv_size − 1) · (2 H_qk K + H_v K)`` per layer; a normalized rule's values have
+    ``H_qk`` heads) are added.
     """
     cfg = _cfg(config, "state_bytes")
     require_positive_int("state_bytes", "dtype_bytes", dtype_bytes)
+    include_conv = require_bool("state_bytes", "include_conv", include_conv)
     H, K = cfg.num_heads, cfg.resolved_head_dim
     Hv = cfg.num_v_heads or H
     total = 0
@@ -141,7 +143,7 @@ def state_bytes(config: ConfigLike, dtype_bytes: int = 4, *, include_conv: bool 
         else:
             total += Hv * K * K
         if include_conv and rule.conv and cfg.conv_size:
-            total += (cfg.conv_size - 1) * (2 * H + Hv) * K
+            total += (cfg.conv_size - 1) * (2 * H + (H if rule.normalize else Hv)) * K
     return int(dtype_bytes * total)
 
 

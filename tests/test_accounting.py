@@ -56,3 +56,31 @@ def test_flops_per_token_grows_with_context_only_for_attention():
     assert A.flops_per_token(gpt, 1) >= 2 * A.param_counts(gpt)["active"]
     with pytest.raises(ValueError, match="seq_len"):
         A.flops_per_token(gpt, 0)
+
+
+def test_state_bytes_match_a_built_models_caches():
+    """``state_bytes`` (with and without the short-conv buffers) equals the bytes of a built model's fixed-state
+    caches: the delta rules with grouped value heads, and a registered normalized rule with a conv (its values
+    have the query heads, so its conv buffer does too)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from lineage_jax.layers.memory_mixer import MemoryCache, Rule
+    from lineage_jax.models import Decoder, register_rule
+    from tests._registry import SavedTables
+
+    with SavedTables():
+        register_rule("normalized_conv", Rule("Y", erase=False, normalize=True, feature="elu1", conv=True,
+                                              output_norm=False))
+        for cfg in (get_config("tiny_kda", pattern="YK", num_v_heads=8), get_config("tiny_kda", num_v_heads=8)):
+            cache = Decoder(cfg, rngs=nnx.Rngs(0)).init_cache(1, 8, jnp.float32)
+            mems = [c for c in jax.tree.leaves(cache.layers, is_leaf=lambda x: isinstance(x, MemoryCache))
+                    if isinstance(c, MemoryCache)]
+            state = sum(a.nbytes for m in mems for a in jax.tree.leaves(m.state))
+            conv = sum(a.nbytes for m in mems for a in jax.tree.leaves(m.conv))
+            assert conv > 0
+            assert A.state_bytes(cfg) == state
+            assert A.state_bytes(cfg, include_conv=True) == state + conv
+    with pytest.raises(ValueError, match="include_conv"):
+        A.state_bytes("tiny_kda", include_conv="no")
