@@ -175,6 +175,13 @@ def _local_experts(x: Array, local_expert: Array, w_gate: Array, w_up: Array, w_
     return jnp.zeros_like(out).at[order].set(out)
 
 
+def exchange_capacity(n: int, k: int, e_loc: int, ep: int, capacity_factor: Optional[float]) -> int:
+    """Rows one source sends one expert shard at most (the receive buffer is ``ep`` of them): dropless
+    ``n · min(k, e_loc)``; with a ``capacity_factor`` ``ceil(f · n · k / ep)``, at least 1, at most that."""
+    most = n * min(k, e_loc)
+    return most if capacity_factor is None else max(1, min(most, math.ceil(capacity_factor * n * k / ep)))
+
+
 def ep_exchange(z, expert_idx, weights, local_fn, *, e_loc: int, ep_axis: str, ep: int, token_axes: tuple,
                 capacity_factor: Optional[float], impl: str):
     """One device's dispatch -> ``local_fn`` -> combine (inside ``shard_map`` over the expert axis).
@@ -190,8 +197,7 @@ def ep_exchange(z, expert_idx, weights, local_fn, *, e_loc: int, ep_axis: str, e
     """
     n, k = expert_idx.shape
     width = z.shape[-1]
-    most = n * min(k, e_loc)                                   # the most one source can send one shard
-    cap = most if capacity_factor is None else max(1, min(most, math.ceil(capacity_factor * n * k / ep)))
+    cap = exchange_capacity(n, k, e_loc, ep, capacity_factor)
 
     expert = expert_idx.T.reshape(-1)                          # [k*n] choice-major: a = c*n + t
     token = jnp.tile(jnp.arange(n), k)

@@ -12,10 +12,16 @@ Counted per device (parameters float32, as the layers keep them):
 * **train state**: parameters + gradients + AdamW ``mu`` and ``nu`` = 16 bytes per
   parameter *shard element* (replicated dimensions count in full on every device);
 * **MoE all-to-all** per MoE layer: ``n`` tokens per device (``batch·seq`` over the
-  ``batch`` mesh axes) send ``n·k`` rows of the routed width (``moe_latent_dim`` for a
-  latent MoE, else ``d_model``) in activation dtype; forward = dispatch + combine,
-  a training step = that twice (the backward pass reverses both). On average
-  ``(ep − 1)/ep`` of the rows leave the device (balanced routing);
+  ``batch`` mesh axes) routed to ``k`` experts each, rows of the routed width
+  (``moe_latent_dim`` for a latent MoE, else ``d_model``) in the activation dtype (the
+  config's ``dtype`` unless ``act_bytes`` is given). The rows sent are those of the
+  exchange ``ExpertParallel`` runs on the hardware: ``"ragged"`` on TPUs (and without
+  ``hardware``) sends the ``n·k`` rows that exist; ``"dense"`` on GPUs sends the padded
+  ``[ep·C, W]`` buffer, ``C`` the per-destination capacity (dropless ``C = n·min(k, E_loc)``;
+  ``capacity_factor`` — or, without it, the config's ``moe_dispatch="capacity"`` and its
+  ``capacity_factor`` — bounds it). Forward = dispatch + combine, a training step = that
+  twice (the backward pass reverses both). On average ``(ep − 1)/ep`` of the rows leave
+  the device (balanced routing);
 * **FSDP traffic**: every parameter sharded over ``fsdp``/``expert`` as FSDP is
   all-gathered before use (in float32: ``TrainStep`` gathers the stored dtype) and its
   gradient reduce-scattered: received bytes per device ``local · (shards − 1) · 4`` each;
@@ -36,17 +42,17 @@ from typing import Optional
 from lineage_jax import accounting
 from lineage_jax.models.config import ModelConfig
 from lineage_jax.memory._validate import is_int
-from lineage_jax.parallel.expert import check_capacity_factor
+from lineage_jax.parallel.expert import check_capacity_factor, exchange_capacity
 from lineage_jax.parallel.mesh import MESH_AXES, check_axis_sizes, parse_mesh_spec, resolve_axis_sizes
 from lineage_jax.parallel.rules import DEFAULT_RULES, WIDTH_NAMES, Rules, mesh_axes_of, rules_dict, sharding_table
 
 # Nominal datasheet figures (per chip / GPU), for lower-bound times only.
 HARDWARE = {
     "tpu_v5p": dict(hbm_gb=95.0, bf16_tflops=459.0, fast_link_gbytes=600.0, slow_link_gbytes=None,
-                    devices_per_node=None,
+                    devices_per_node=None, gpu=False,
                     note="ICI 4800 Gb/s per chip, whole slice on ICI"),
     "h200": dict(hbm_gb=141.0, bf16_tflops=989.0, fast_link_gbytes=450.0, slow_link_gbytes=50.0,
-                 devices_per_node=8,
+                 devices_per_node=8, gpu=True,
                  note="NVLink 900 GB/s bidirectional in a node; 400 Gb/s InfiniBand per GPU between nodes"),
 }
 BYTES_PER_PARAM_TRAIN = 16  # f32 param + f32 grad + f32 Adam mu + f32 Adam nu
@@ -57,19 +63,30 @@ def _cfg(config) -> ModelConfig:
     return accounting._cfg(config, "plan")
 
 
-def plan(config, mesh: dict, *, batch: int, seq: int, rules: Optional[Rules] = None, act_bytes: int = 2,
-         capacity_factor: Optional[float] = None, hardware: Optional[str] = None,
+def plan(config, mesh: dict, *, batch: int, seq: int, rules: Optional[Rules] = None,
+         act_bytes: Optional[int] = None, capacity_factor: Optional[float] = None, hardware: Optional[str] = None,
          devices: Optional[int] = None) -> dict:
     """The numbers (see the module docstring) as a dict. ``mesh`` may hold one ``-1``
-    when ``devices`` is given. Raises ``ValueError`` naming the bad argument."""
+    when ``devices`` is given. ``act_bytes``: bytes of an exchanged activation element (default:
+    the config's ``dtype``). ``capacity_factor``: the expert exchange's capacity (default: what
+    ``ExpertParallel(capacity_factor=None)`` takes from the config — dropless, or its
+    ``capacity_factor`` with ``moe_dispatch="capacity"``). Raises ``ValueError`` naming the bad argument."""
     cfg = _cfg(config)
     rules = DEFAULT_RULES if rules is None else rules
+    if act_bytes is None:
+        act_bytes = 2 if cfg.dtype == "bfloat16" else 4
     for name, val in (("batch", batch), ("seq", seq), ("act_bytes", act_bytes)):
-        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+        if not is_int(val) or val <= 0:
             raise ValueError(f"plan: `{name}` must be a positive int, got {val!r}")
-    if hardware is not None and hardware not in HARDWARE:
+    batch, seq, act_bytes = int(batch), int(seq), int(act_bytes)
+    if cfg.positions == "learned" and seq > cfg.max_seq_len:
+        raise ValueError(f"plan: `seq`={seq} is longer than {cfg.name}'s learned position table "
+                         f"(max_seq_len {cfg.max_seq_len})")
+    if hardware is not None and not (isinstance(hardware, str) and hardware in HARDWARE):
         raise ValueError(f"plan: `hardware` must be one of {sorted(HARDWARE)}, got {hardware!r}")
     check_capacity_factor("plan", capacity_factor)
+    if capacity_factor is None and cfg.moe_dispatch == "capacity":
+        capacity_factor = cfg.capacity_factor
     if isinstance(mesh, str):
         mesh = parse_mesh_spec(mesh)
     check_axis_sizes(mesh, fn="plan: `mesh`")
@@ -79,6 +96,10 @@ def plan(config, mesh: dict, *, batch: int, seq: int, rules: Optional[Rules] = N
         if any(v == -1 for v in mesh.values()):
             raise ValueError("plan: `mesh` has a -1 axis; give `devices` to resolve it")
         devices = math.prod(int(mesh.get(a, 1)) for a in MESH_AXES)
+    devices = int(devices)
+    fixed = math.prod(int(v) for v in mesh.values() if v != -1)
+    if all(v != -1 for v in mesh.values()) and fixed != devices:
+        raise ValueError(f"plan: `mesh` {mesh} has {fixed} devices, `devices` says {devices}")
     sizes = resolve_axis_sizes(dict(mesh), devices)
 
     rows = sharding_table(cfg, sizes, rules)
@@ -90,8 +111,7 @@ def plan(config, mesh: dict, *, batch: int, seq: int, rules: Optional[Rules] = N
         c[0] += r["size"]
         c[1] += r["local_size"]
     replicated = sum(r["size"] for r in rows if not tuple(r["spec"]))
-    dropped = sorted({(r["path"].split("/")[-1] if "/" in r["path"] else r["path"], d, name, axis)
-                      for r in rows for d, name, axis in r["dropped"]})
+    dropped = sorted({(r["path"], d, name, axis) for r in rows for d, name, axis in r["dropped"]})
 
     # FSDP-style traffic: parameters sharded over an axis that is not a model-parallel one
     # for that parameter (fsdp, or expert on a non-expert dimension) are gathered before use.
@@ -131,18 +151,24 @@ def plan(config, mesh: dict, *, batch: int, seq: int, rules: Optional[Rules] = N
 
     n_moe = sum(1 for i in range(cfg.num_layers) if cfg.is_moe(i))
     if n_moe:
-        ep = sizes[mesh_axes_of("experts", rules)[0]] if mesh_axes_of("experts", rules) else 1
+        expert_axes = mesh_axes_of("experts", rules)
+        if len(expert_axes) > 1:
+            raise ValueError(f"plan: `rules` must map 'experts' to exactly one mesh axis (as ExpertParallel "
+                             f"takes them), got {tuple(expert_axes)}")
+        ep = sizes[expert_axes[0]] if expert_axes else 1
         if cfg.num_experts % ep:
             raise ValueError(f"plan: `num_experts`={cfg.num_experts} of {cfg.name} is not divisible by the expert "
                              f"mesh axis ({ep}); pick an expert axis that divides {cfg.num_experts}")
         width = cfg.moe_latent_dim or cfg.d_model
         k, e_loc = cfg.top_k, cfg.num_experts // ep
-        rows_sent = tokens_per_device * k
+        cap = exchange_capacity(tokens_per_device, k, e_loc, ep, capacity_factor)
+        # the exchange ExpertParallel's "auto" runs: ragged on TPUs, dense (padded buffers) on GPUs
+        exchange = "dense" if HARDWARE.get(hardware or "", {}).get("gpu") else "ragged"
+        rows_sent = ep * cap if exchange == "dense" else min(tokens_per_device * k, ep * cap)
         one_way = rows_sent * width * act_bytes
         off_device = (ep - 1) / ep
-        most = tokens_per_device * min(k, e_loc)
-        cap = most if capacity_factor is None else max(1, min(most, math.ceil(capacity_factor * tokens_per_device * k / ep)))
         moe = dict(moe_layers=n_moe, expert_parallel=ep, experts_per_device=e_loc, top_k=k, routed_width=width,
+                   exchange=exchange, act_bytes=act_bytes,
                    rows_per_device=rows_sent, bytes_one_way_per_layer=one_way,
                    bytes_fwd_per_layer=2 * one_way, bytes_train_per_layer=4 * one_way,
                    bytes_train_all_layers=4 * one_way * n_moe, off_device_fraction=off_device,
@@ -208,7 +234,8 @@ def format_plan(p: dict) -> str:
         m = p["moe"]
         lines.append(f"  MoE: {m['moe_layers']} layers, {m['experts_per_device']} experts/device (ep={m['expert_parallel']}), "
                      f"top-{m['top_k']}, routed width {m['routed_width']}")
-        lines.append(f"    all-to-all per MoE layer per device: {_fmt_bytes(m['bytes_one_way_per_layer'])} each way; "
+        lines.append(f"    all-to-all per MoE layer per device ({m['exchange']}, {m['rows_per_device']} rows of "
+                     f"{m['act_bytes']} B elements): {_fmt_bytes(m['bytes_one_way_per_layer'])} each way; "
                      f"forward {_fmt_bytes(m['bytes_fwd_per_layer'])}, train step {_fmt_bytes(m['bytes_train_per_layer'])}")
         lines.append(f"    all MoE layers, train step: {_fmt_bytes(m['bytes_train_all_layers'])} per device, "
                      f"{100 * m['off_device_fraction']:.0f}% off-device"
@@ -231,7 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", type=int, default=None, help="device count, to resolve a -1 mesh axis")
     ap.add_argument("--batch", type=int, required=True, help="global batch (sequences per step)")
     ap.add_argument("--seq", type=int, required=True, help="tokens per sequence")
-    ap.add_argument("--act-bytes", type=int, default=2, help="activation bytes moved by the all-to-all (bf16: 2)")
+    ap.add_argument("--act-bytes", type=int, default=None,
+                    help="bytes of an activation element the all-to-all moves (default: the config's dtype)")
     ap.add_argument("--capacity-factor", type=float, default=None, help="EP capacity factor (default: dropless)")
     ap.add_argument("--hardware", choices=sorted(HARDWARE), default=None)
     ap.add_argument("--json", action="store_true")

@@ -461,8 +461,55 @@ def case_hf_load() -> dict:
             "expert_sharded": expert_split, "logits_rel": logits_rel}
 
 
-CASES = {"moe": case_moe, "model": case_model, "model_data": case_model_data, "kimi_linear": case_kimi_linear, "decode": case_decode,
-         "train_loop": case_train_loop, "hf_load": case_hf_load, "optimizers": case_optimizers}
+def _exchanged_rows(cfg, mesh_spec: dict, batch: int, seq: int) -> list:
+    """The ``[rows, width]`` operands (shape, dtype bytes) of the activation all-to-alls inside a traced
+    expert-parallel forward of ``cfg`` (the exchange ``ExpertParallel`` runs here: dense on CPUs)."""
+    mesh = make_mesh(mesh_spec)
+    ep = EP.ExpertParallel(mesh)  # what TrainStep builds: each MoE's own dispatch and capacity
+    graphdef, state = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
+
+    def forward(st, tokens):
+        return EP.enable_expert_parallel(nnx.merge(graphdef, st), ep)(tokens)
+
+    with mesh:
+        jaxpr = jax.make_jaxpr(forward)(state, jnp.zeros((batch, seq), jnp.int32))
+    found = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "all_to_all":
+                aval = e.invars[0].aval
+                if len(aval.shape) == 2 and aval.shape[1] == (cfg.moe_latent_dim or cfg.d_model):
+                    found.append((tuple(aval.shape), aval.dtype.itemsize))
+            for v in e.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def case_plan_exchange() -> dict:
+    """The planner's GPU rows and bytes against the exchange's own all-to-all operands: dropless, and the
+    config's capacity dispatch (``plan(capacity_factor=None)`` follows it as ``ExpertParallel`` does)."""
+    from lineage_jax.parallel import plan as PL
+
+    out = {}
+    for name, cfg in (("dropless", get_config("tiny_kimi_linear", memory_backend="xla")),
+                      ("capacity", get_config("tiny_kimi_linear", memory_backend="xla", moe_dispatch="capacity",
+                                              capacity_factor=1.0))):
+        m = PL.plan(cfg, {"data": 2, "expert": 4}, batch=8, seq=64, hardware="h200")["moe"]
+        out[name] = dict(traced=sorted(set(_exchanged_rows(cfg, {"data": 2, "expert": 4}, 8, 64))),
+                         plan_rows=m["rows_per_device"], plan_act_bytes=m["act_bytes"], exchange=m["exchange"],
+                         plan_bytes=m["bytes_one_way_per_layer"], width=m["routed_width"])
+    return out
+
+
+CASES = {"plan_exchange": case_plan_exchange, "moe": case_moe, "model": case_model, "model_data": case_model_data,
+         "kimi_linear": case_kimi_linear, "decode": case_decode, "train_loop": case_train_loop, "hf_load": case_hf_load,
+         "optimizers": case_optimizers}
 
 
 def main(argv) -> int:

@@ -188,3 +188,17 @@ def test_flags_the_xla_parser_refuses_are_left_out(monkeypatch):
     assert len(starts) == 2 and os.environ[FD.REFUSED_ENV] == gone
     assert FD.fake_device_xla_flags(8, base="") == flags[len("--xla_dump_to=x "):]
     assert len(starts) == 2                                      # probed once
+
+
+def test_plan_counts_the_rows_the_gpu_exchange_sends():
+    """``plan(hardware="h200")`` (the dense exchange GPUs run) against the traced expert-parallel forward on
+    fake devices: its rows and element bytes are the all-to-all operand's, dropless and with the config's
+    capacity dispatch."""
+    res = run_case("plan_exchange")
+    for name in ("dropless", "capacity"):
+        r = res[name]
+        assert r["exchange"] == "dense" and len(r["traced"]) == 1, r
+        (rows, width), itemsize = r["traced"][0]
+        assert (r["plan_rows"], r["width"], r["plan_act_bytes"]) == (rows, width, itemsize), r
+        assert r["plan_bytes"] == rows * width * itemsize
+    assert res["capacity"]["plan_rows"] < res["dropless"]["plan_rows"]
