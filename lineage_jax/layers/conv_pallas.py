@@ -213,6 +213,12 @@ def causal_conv(x: Array, w: Array, doc: Optional[Array] = None) -> Array:
     if not fits(x) and not _interpret():
         raise ValueError(f"conv_pallas.causal_conv: `x` {tuple(x.shape)} holds 2**31 elements or more "
                          f"(the kernels' offsets are 32-bit); split the batch, or use memory_mixer.causal_conv")
+    if w.shape[0] < 1:
+        raise ValueError(f"conv_pallas.causal_conv: `w` must hold at least one tap (W >= 1), got {tuple(w.shape)}")
     if doc is not None and doc.shape != x.shape[:2]:
         raise ValueError(f"conv_pallas.causal_conv: `doc` must have shape {tuple(x.shape[:2])}, got {tuple(doc.shape)}")
+    if doc is not None and (not jnp.issubdtype(doc.dtype, jnp.integer) or doc.dtype == jnp.bool_):
+        raise ValueError(f"conv_pallas.causal_conv: `doc` must hold integer document ids, got {doc.dtype}")
+    if x.size == 0:  # no rows (B = 0, T = 0 or C = 0): nothing to convolve, no kernel to launch
+        return jnp.zeros(x.shape, x.dtype)
     return _conv(x, w, None if doc is None else doc.astype(jnp.int32))

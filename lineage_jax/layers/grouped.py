@@ -85,6 +85,10 @@ def _check(x, w, group_sizes, impl, tile) -> None:
         raise ValueError(f"grouped_matmul: `x` must be 2-D [M, K], got shape {jnp.shape(x)}")
     if jnp.ndim(w) != 3:
         raise ValueError(f"grouped_matmul: `w` must be 3-D [G, K, N], got shape {jnp.shape(w)}")
+    for name, a in (("x", x), ("w", w)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"grouped_matmul: `{name}` must be floating, got {a.dtype} (the kernels accumulate in "
+                             f"float32)")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul: contraction mismatch, `x` is [M, K={x.shape[1]}] but "
                          f"`w` is [G, K={w.shape[1]}, N]")
@@ -213,7 +217,7 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, impl: str = "auto"
     impl = resolve_impl(impl, x.shape[0], w.shape[2], w.shape[0], out_dtype)
     if impl == "ragged_dot":
         return lax.ragged_dot(x, w, group_sizes)
-    if x.shape[0] == 0 or w.shape[0] == 0:                       # no rows or no groups: all zero
+    if x.shape[0] == 0 or w.shape[0] == 0 or w.shape[2] == 0:    # no rows, groups or columns: all zero
         return jnp.zeros((x.shape[0], w.shape[2]), out_dtype)
     if impl == "pallas":
         return gmm(*_common_variance(x, w, group_sizes), tile=int(tile), out_dtype=out_dtype)

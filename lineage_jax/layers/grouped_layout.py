@@ -39,7 +39,8 @@ class _Layout(NamedTuple):
 
 
 def _layout(group_sizes: Array, m: int, g: int, tile: int, block: int, n_blocks: int) -> _Layout:
-    gs = group_sizes.astype(jnp.int32)
+    # sizes past M hold no row: clamped to M, their sums cannot overflow int32 (sizes near 2**31 did)
+    gs = jnp.minimum(group_sizes, m).astype(jnp.int32)
     ends = jnp.cumsum(gs)
     starts = ends - gs
     padded = (gs + tile - 1) // tile * tile                    # each group rounded up to whole tiles

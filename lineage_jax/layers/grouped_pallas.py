@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 
 from lineage_jax.layers.ffn import glu
 from lineage_jax.layers.grouped_layout import RESIDUALS, _layout, _out_dtype, _rows
-from lineage_jax.memory._validate import require_bool
+from lineage_jax.memory._validate import is_concrete, require_bool
 
 try:  # present in jax 0.10 and 0.11
     from jax.experimental.pallas import triton as pltriton
@@ -336,7 +336,7 @@ def _tiles(group_sizes: Array, m: int, g: int, tile: int):
     """``(src [T*tile], tile_group [T], pos [M], toff [G+1])`` of the padded layout."""
     n_tiles = _num_tiles(m, g, tile)
     lay = _layout(group_sizes, m, g, tile, 1, n_tiles)
-    per_group = (group_sizes.astype(jnp.int32) + tile - 1) // tile
+    per_group = (jnp.minimum(group_sizes, m).astype(jnp.int32) + tile - 1) // tile  # clamped as in _layout
     toff = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_group)])
     toff = jnp.minimum(toff, n_tiles).astype(jnp.int32)   # tiles past the layout hold no real row
     return lay.src.reshape(-1), lay.tile_group.reshape(-1), lay.pos, toff
@@ -543,6 +543,31 @@ def _combine_bwd(res, g):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
+def _check_routed(z, expert_idx, weights, w_gate, w_up, w_down) -> None:
+    """Shapes, dtypes and (when concrete) expert ids of :func:`routed_experts`' arguments, each refused by
+    name: the kernels would pad a short weight with zeros, clamp an expert index or drop an assignment."""
+    fn = "routed_experts"
+    if jnp.ndim(z) != 2 or not jnp.issubdtype(jnp.result_type(z), jnp.floating):
+        raise ValueError(f"{fn}: `z` must be floating [N, W], got {jnp.result_type(z)} {jnp.shape(z)}")
+    n, wd = z.shape
+    if jnp.ndim(expert_idx) != 2 or expert_idx.shape[0] != n or not jnp.issubdtype(expert_idx.dtype, jnp.integer):
+        raise ValueError(f"{fn}: `expert_idx` must be integer [N={n}, k], got {expert_idx.dtype} {jnp.shape(expert_idx)}")
+    if jnp.shape(weights) != expert_idx.shape:
+        raise ValueError(f"{fn}: `weights` must be [N, k] = {tuple(expert_idx.shape)}, got {jnp.shape(weights)}")
+    if jnp.ndim(w_gate) != 3 or w_gate.shape[1] != wd:
+        raise ValueError(f"{fn}: `w_gate` must be [E, W={wd}, H], got {jnp.shape(w_gate)}")
+    e, _, h = w_gate.shape
+    if jnp.shape(w_up) != (e, wd, h):
+        raise ValueError(f"{fn}: `w_up` must be [E, W, H] = {(e, wd, h)} as `w_gate`, got {jnp.shape(w_up)}")
+    if jnp.shape(w_down) != (e, h, wd):
+        raise ValueError(f"{fn}: `w_down` must be [E, H, W] = {(e, h, wd)}, got {jnp.shape(w_down)}")
+    if is_concrete(expert_idx) and expert_idx.size:  # traced ids cannot be checked
+        ids = np.asarray(expert_idx)
+        if ids.min() < 0 or ids.max() >= e:
+            raise ValueError(f"{fn}: `expert_idx` must lie in [0, {e}) (E = {e} experts), got ids from "
+                             f"{int(ids.min())} to {int(ids.max())}")
+
+
 def routed_experts(z: Array, expert_idx: Array, weights: Array, w_gate: Array, w_up: Array, w_down: Array,
                    activation: str, *, tile: int = 128, interpret: bool | None = None) -> Array:
     """A MoE layer's routed experts, dropless, by the kernels of this module in the padded layout
@@ -571,6 +596,7 @@ def routed_experts(z: Array, expert_idx: Array, weights: Array, w_gate: Array, w
         raise ValueError(f"routed_experts: `tile` must be a power of two >= 16, got {tile!r}")
     require_bool("routed_experts", "interpret", interpret, allow_none=True,
                  none_means="the default: interpreted on the CPU backend")
+    _check_routed(z, expert_idx, weights, w_gate, w_up, w_down)
     n, wd = z.shape
     e, _, h = w_gate.shape
     k = expert_idx.shape[1]

@@ -157,6 +157,8 @@ def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array
       document's inputs (zeros before its start), as a sequence start's does.
     """
     V.require_bool("causal_conv", "kernel", kernel)
+    if doc is not None and (not jnp.issubdtype(doc.dtype, jnp.integer) or doc.dtype == jnp.bool_):
+        raise ValueError(f"causal_conv: `doc` must hold integer document ids, got {doc.dtype}")
     B, T, C = x.shape
     W = w.shape[0]
     from lineage_jax.layers import conv_pallas

@@ -131,3 +131,21 @@ def test_the_kernel_runs_where_the_delta_rules_run_pallas():
     short = x[:, :2]  # fewer tokens than the prefix holds: zeros before them
     np.testing.assert_array_equal(np.asarray(causal_conv(short, w, None, None, kernel=True)[1]),
                                   np.asarray(causal_conv(short, w, None, None)[1]))
+
+
+def test_bad_documents_taps_and_empty_batches():
+    """Document ids must be integers in both forms (a float id was truncated by the kernel and compared exactly
+    by XLA: the two forms disagreed); a tapless ``w`` is refused by name; an empty batch gives an empty result."""
+    x, w = jnp.ones((1, 8, 16)), jnp.ones((4, 16))
+    for doc in (jnp.asarray([[0, .5, .5, 1, 1.2, 1.7, 2, 2]]), jnp.zeros((1, 8), bool)):
+        with pytest.raises(ValueError, match="`doc` must hold integer document ids"):
+            CP.causal_conv(x, w, doc)
+        with pytest.raises(ValueError, match="`doc` must hold integer document ids"):
+            causal_conv(x, w, None, doc, kernel=False)
+    with pytest.raises(ValueError, match="`w` must hold at least one tap"):
+        CP.causal_conv(x, w[:0])
+    for shape in ((0, 8, 16), (2, 0, 16)):
+        y = CP.causal_conv(jnp.ones(shape), w)
+        assert y.shape == shape
+        dw = jax.grad(lambda w: jnp.sum(CP.causal_conv(jnp.ones(shape), w)))(w)
+        assert dw.shape == w.shape and not np.any(np.asarray(dw))

@@ -188,3 +188,23 @@ def test_bad_arguments():
         GR.grouped_matmul(x, w, gs.astype(jnp.float32))
     with pytest.raises(ValueError, match="group_sizes.*>= 0"):
         GR.grouped_matmul(x, w, jnp.asarray([7, -2], jnp.int32), impl="tiled")
+
+
+def test_integer_inputs_zero_columns_and_huge_group_sizes():
+    """Integer ``x`` / ``w`` are refused (the kernels accumulate in float32: 2**24 + 1 came back as 2**24);
+    ``N = 0`` gives ``[M, 0]`` (the tiled form divided by zero); group sizes near 2**31 (legal: sizes may sum
+    past ``M``) give numpy's product (their padded sums overflowed int32)."""
+    x, w, gs = make_inputs(6, 10, 4, 3, [5, 5], jnp.float32)
+    for impl in ("tiled", "pallas"):
+        with pytest.raises(ValueError, match="`x` must be floating"):
+            GR.grouped_matmul(x.astype(jnp.int32), w, gs, impl=impl)
+        with pytest.raises(ValueError, match="`w` must be floating"):
+            GR.grouped_matmul(x, w.astype(jnp.int32), gs, impl=impl)
+        assert GR.grouped_matmul(x, w[:, :, :0], gs, impl=impl, tile=16).shape == (x.shape[0], 0)
+    r = np.random.default_rng(0)
+    xs, ws = r.normal(size=(8, 4)).astype(np.float32), r.normal(size=(2, 4, 3)).astype(np.float32)
+    for sizes, want in (([5, 2**31 - 1], np.concatenate([xs[:5] @ ws[0], xs[5:] @ ws[1]])),
+                        ([2**31 - 1, 5], xs @ ws[0])):
+        for impl in ("tiled", "pallas"):
+            got = GR.grouped_matmul(xs, ws, jnp.asarray(sizes, jnp.int32), impl=impl, tile=16)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=f"{impl} {sizes}")

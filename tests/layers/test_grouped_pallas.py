@@ -303,3 +303,20 @@ def test_routed_experts_lower_to_triton():
     except (ImportError, ModuleNotFoundError) as e:  # pragma: no cover
         pytest.skip(f"no Pallas Triton lowering in this jaxlib: {e}")
     assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 9
+
+
+def test_routed_experts_refuse_mismatched_weights_and_expert_ids():
+    """A short weight was zero-padded, a missing expert's weights clamped to another's, an id past E dropped and
+    a negative one read as expert 0 — each silently; each is refused by name."""
+    z, idx, wts, wg, wu, wd, _ = _routed_inputs(3, 12, 2, 4, 16, 8, jnp.float32)
+    run = lambda **kw: GP.routed_experts(**{**dict(z=z, expert_idx=idx, weights=wts, w_gate=wg, w_up=wu,  # noqa: E731
+                                                   w_down=wd, activation="swiglu", tile=16), **kw})
+    for kw, needle in ((dict(w_gate=wg[:, :8]), "`w_gate` must be"), (dict(w_up=wu[:2]), "`w_up` must be"),
+                       (dict(w_down=wd[:, :, :8]), "`w_down` must be"), (dict(expert_idx=idx.at[0, 0].set(4)),
+                                                                         r"`expert_idx` must lie in \[0, 4\)"),
+                       (dict(expert_idx=idx.at[1, 1].set(-1)), "`expert_idx` must lie"),
+                       (dict(expert_idx=idx.astype(jnp.float32)), "`expert_idx` must be integer"),
+                       (dict(weights=wts[:, :1]), "`weights` must be"), (dict(z=z[None]), "`z` must be")):
+        with pytest.raises(ValueError, match=needle):
+            run(**kw)
+    assert run().shape == z.shape
