@@ -551,7 +551,8 @@ def _check_routed(z, expert_idx, weights, w_gate, w_up, w_down) -> None:
         raise ValueError(f"{fn}: `z` must be floating [N, W], got {jnp.result_type(z)} {jnp.shape(z)}")
     n, wd = z.shape
     if jnp.ndim(expert_idx) != 2 or expert_idx.shape[0] != n or not jnp.issubdtype(expert_idx.dtype, jnp.integer):
-        raise ValueError(f"{fn}: `expert_idx` must be integer [N={n}, k], got {expert_idx.dtype} {jnp.shape(expert_idx)}")
+        raise ValueError(f"{fn}: `expert_idx` must be integer [N={n}, k], got {expert_idx.dtype} "
+                         f"{jnp.shape(expert_idx)}")
     if jnp.shape(weights) != expert_idx.shape:
         raise ValueError(f"{fn}: `weights` must be [N, k] = {tuple(expert_idx.shape)}, got {jnp.shape(weights)}")
     if jnp.ndim(w_gate) != 3 or w_gate.shape[1] != wd:
