@@ -1,4 +1,7 @@
-"""The accountant reproduces the published numbers from abstract shapes."""
+"""The accountant's counts from abstract shapes. The counts themselves are checked against built models
+(``test_counts_match_a_real_model``, ``test_state_bytes_match_a_built_models_caches``); the pinned figures of
+the full-size configs are the ones docs/guide.md prints (GPT-2 small's 124M is its published size; Kimi
+Linear's 49.1B / 3.1B total / active by this count, published as 48B / 3B)."""
 
 import pytest
 

@@ -39,10 +39,12 @@ def test_check_compares_pallas_with_xla(tiny, monkeypatch):
     res = {}
     assert kb.part_check(res, rules=("gdn",), chunk_size=32)  # (the kernels' own tests cover every rule)
     assert set(res["check"]) == {"gdn/float32", "gdn/bfloat16"}
-    assert res["check"]["gdn/float32"]["dv"] < 1e-4
     # gradients of the inputs GDN reads only, named by input (not the per-channel gate g)
-    assert {"dq", "dk", "dv", "dgs", "dbeta"} <= set(res["check"]["gdn/float32"])
+    assert {"o", "dq", "dk", "dv", "dgs", "dbeta"} <= set(res["check"]["gdn/float32"])
     assert "dg" not in res["check"]["gdn/float32"]
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 2e-2)):  # every recorded error, within the kernel tests'
+        errors = {k: v for k, v in res["check"][f"gdn/{dtype}"].items() if isinstance(v, float)}
+        assert errors and all(0 <= e < tol for e in errors.values()), (dtype, errors)
 
 
 @pytest.mark.parametrize("rule", ["delta", "gdn", "kda"])

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -54,6 +55,26 @@ def test_lr_sweep_equals_sequential_single_lr_training():
         assert _rel(copy.opt_state[0], state.opt_state) <= 1e-5
     first, second = (jax.tree.map(lambda x: x[i], sweep.states.params) for i in range(2))
     assert _rel(first, second) > 1e-3  # the copies really trained at different rates
+
+
+def test_lr_sweep_scores_what_each_copys_model_predicts():
+    """``evaluate`` / ``accuracy`` against a plain argmax over each trained copy's own ``Decoder``: per row the
+    answer positions predicted right, per copy the share of all scored positions, in the order of ``lrs``."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, pattern="S", num_heads=2, head_dim=16, max_seq_len=16)
+    task = D.get_task("mqar", vocab_size=64, seq_len=16, num_kv_pairs=2)
+    data, held = T.stack_rows(task, 24), T.stack_rows(task, 10, start=24)
+    sweep = T.LRSweep(cfg, lrs=(1e-3, 3e-2), steps=12, batch=8, seed=3, log_every=4)
+    sweep.train(data)
+    hits, scored = sweep.evaluate(held)
+    accuracy = sweep.accuracy(held)
+    mask = np.asarray(held["mask"])
+    np.testing.assert_array_equal(scored, mask.sum(-1))
+    for i in range(2):
+        logits = sweep.model(i)(jnp.asarray(held["tokens"]))
+        right = (np.argmax(np.asarray(logits), -1) == np.asarray(held["targets"])) * mask
+        np.testing.assert_array_equal(hits[i], right.sum(-1))
+        assert accuracy[i] == right.sum() / mask.sum()
+    assert hits.shape == (2, 10) and mask.sum() > 0 and np.any(hits[0] != hits[1])  # the copies differ
 
 
 def test_epoch_batches_cover_each_epoch_once():

@@ -124,8 +124,21 @@ def test_bool_flags_without_a_default_refuse_none(layer, flag, build, none_ok):
 
 @pytest.mark.parametrize("layer, flag, build, none_ok", BOOL_FLAGS, ids=BOOL_IDS)
 def test_bool_flags_accept_python_and_numpy_bools(layer, flag, build, none_ok):
-    for value in [True, False, np.bool_(True), np.bool_(False)] + ([None] if none_ok else []):
-        build(value)
+    """A NumPy bool builds what the Python bool builds: the same graph (static settings included) and the same
+    parameter values, or for functions the same result."""
+    def built(value):
+        obj = build(value)
+        if isinstance(obj, nnx.Module):
+            graphdef, state = nnx.split(obj)
+            return graphdef, [np.asarray(x) for x in jax.tree.leaves(state)]
+        return None, [np.asarray(x) for x in jax.tree.leaves(obj)]
+
+    for value in (True, False):
+        (g1, leaves1), (g2, leaves2) = built(value), built(np.bool_(value))
+        assert g1 == g2, (layer, flag, value)
+        assert len(leaves1) == len(leaves2) and all(np.array_equal(a, b) for a, b in zip(leaves1, leaves2))
+    if none_ok:
+        built(None)
 
 
 def test_bool_flag_message_names_the_layer_the_argument_and_the_value():

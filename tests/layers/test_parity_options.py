@@ -57,7 +57,7 @@ def _mixer(**kw):
 @pytest.mark.parametrize("kw,grads", [
     (dict(rule="deltanet", conv_size=0, silu_v=True), True),
     (dict(rule="gdn", allow_neg_eigval=True), True),
-    (dict(rule="kda", output_gate_bias=True, norm_eps=1e-5), False),
+    (dict(rule="kda", output_gate_bias=True, norm_eps=1e-5), True),
     pytest.param(dict(rule="kda", output_gate="full", output_gate_bias=True, allow_neg_eigval=True), True,
                  marks=pytest.mark.slow)])
 def test_mixer_options_prefill_decode_grad(kw, grads):

@@ -145,8 +145,16 @@ def test_unavailable_impl_says_why():
         M.softmax_attention(q, q, q, impl="cudnn")
 
 
-def test_cudnn_refuses_float32_clearly():
+def test_cudnn_refuses_float32_clearly(monkeypatch):
+    """The dtype is the reason given, on a GPU (off one, the backend is: the dtype check is reached with the
+    backend taken as a GPU's)."""
     q = jnp.ones((1, 4, 2, 8), jnp.float32)
+    if not ON_GPU:
+        monkeypatch.setattr(fused.jax, "default_backend", lambda: "gpu")
+        assert "takes bfloat16 / float16 inputs, got float32" in fused._cudnn_unsupported(q, q, q)
+        half = q.astype(jnp.bfloat16)
+        assert fused._cudnn_unsupported(half, half, half) is None
+        monkeypatch.undo()
     with pytest.raises(ValueError, match="unavailable here"):
         M.softmax_attention(q, q, q, impl="cudnn")
 

@@ -421,11 +421,12 @@ def test_update_rule_unnamed_settings(gate, erase):
     for got, want in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_r)):
         assert rel_err(got, want) <= 1e-5
     S = S0
-    for t in range(x.T):
+    for t in range(x.T):  # every step's output against the sequence's, then the final state
         o_t, S = M.update_rule_step(q[:, t], k[:, t], v[:, t], S, gate=gate, erase=erase,
                                     g_t=None if args["g"] is None else args["g"][:, t],
                                     beta_t=None if args["beta"] is None else args["beta"][:, t])
-    assert rel_err(o_t, o_r[:, -1]) <= 1e-5 and rel_err(S, S_r) <= 1e-5
+        assert rel_err(o_t, o_r[:, t]) <= 1e-5, t
+    assert rel_err(S, S_r) <= 1e-5
 
 
 def test_update_rule_switches_are_checked():

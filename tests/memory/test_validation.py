@@ -64,8 +64,9 @@ def test_valid_inputs_are_left_untouched():
     g_copy = g.copy()
     # Called directly (the value checks run on concrete arrays only). The checks come before either
     # form; the recurrent one runs as one scan where the chunked form would compile op by op.
-    M.kda(q, k, v, jnp.asarray(g), beta, mode="recurrent")
+    out, _ = M.kda(q, k, v, g, beta, mode="recurrent")  # the caller's own NumPy array, not a device copy
     np.testing.assert_array_equal(g, g_copy)
+    assert out.shape == (B, T, H, V)
 
 
 def test_gates_are_not_checked_under_jit_but_run():
