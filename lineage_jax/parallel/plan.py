@@ -260,7 +260,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     ap.add_argument("--act-bytes", type=int, default=None,
                     help="bytes of an activation element the all-to-all moves (default: the config's dtype)")
-    ap.add_argument("--capacity-factor", type=float, default=None, help="EP capacity factor (default: dropless)")
+    ap.add_argument("--capacity-factor", type=float, default=None,
+                    help="EP capacity factor (default: the config's: dropless, or its capacity_factor with "
+                         "moe_dispatch=capacity)")
     ap.add_argument("--hardware", choices=sorted(HARDWARE), default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
