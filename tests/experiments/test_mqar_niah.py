@@ -77,6 +77,25 @@ def test_lr_sweep_scores_what_each_copys_model_predicts():
     assert hits.shape == (2, 10) and mask.sum() > 0 and np.any(hits[0] != hits[1])  # the copies differ
 
 
+def test_lm_sweep_val_loss_is_each_copys_masked_cross_entropy():
+    """``LMSweep.val_loss`` against the mean masked next-token cross-entropy (optax) of each trained copy's
+    ``Decoder`` on the same rows, in the order of ``lrs``."""
+    import optax
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, pattern="S", num_heads=2, head_dim=16, max_seq_len=16)
+    task = D.get_task("mqar", vocab_size=64, seq_len=16, num_kv_pairs=2)
+    data, held = T.stack_rows(task, 24), T.stack_rows(task, 10, start=24)
+    sweep = T.LMSweep(cfg, lrs=(1e-3, 3e-2), steps=8, batch=8, seed=3, log_every=4)
+    sweep.train(data)
+    got = sweep.val_loss(held)
+    mask = np.asarray(held["mask"], np.float64)
+    for i in range(2):
+        logits = sweep.model(i)(jnp.asarray(held["tokens"])).astype(jnp.float32)
+        nll = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(held["targets"])))
+        np.testing.assert_allclose(got[i], (nll * mask).sum() / mask.sum(), rtol=1e-5)
+    assert abs(got[0] - got[1]) > 1e-4  # the copies differ
+
+
 def test_epoch_batches_cover_each_epoch_once():
     order = T.epoch_batches(rows=10, batch=3, steps=7, seed=0)
     assert order.shape == (7, 3)
