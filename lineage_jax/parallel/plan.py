@@ -39,6 +39,8 @@ import math
 import sys
 from typing import Optional
 
+import jax.numpy as jnp
+
 from lineage_jax import accounting
 from lineage_jax.models.config import ModelConfig
 from lineage_jax.memory._validate import is_int
@@ -74,7 +76,7 @@ def plan(config, mesh: dict, *, batch: int, seq: int, rules: Optional[Rules] = N
     cfg = _cfg(config)
     rules = DEFAULT_RULES if rules is None else rules
     if act_bytes is None:
-        act_bytes = 2 if cfg.dtype == "bfloat16" else 4
+        act_bytes = jnp.dtype(cfg.dtype).itemsize  # the config's activation dtype
     for name, val in (("batch", batch), ("seq", seq), ("act_bytes", act_bytes)):
         if not is_int(val) or val <= 0:
             raise ValueError(f"plan: `{name}` must be a positive int, got {val!r}")
