@@ -21,8 +21,8 @@ Rows (12 layers, d 2048, 16 heads x 128, SwiGLU 5632, byte vocabulary at the def
 
 The library rows run their scanned layer groups unrolled (``ModelConfig.scan_unroll=True``;
 ``--set scan_unroll=false`` for the looped scan): their parameters stay stacked, and no Pallas
-kernel's operand or result is copied out of or into a stacked buffer on every loop iteration —
-on one H200 the hybrid at batch 1 x 32768 spent 36 ms of a 487 ms step in those copies.
+kernel's operand or result is copied out of or into a stacked buffer on every loop iteration (on
+one H200 the hybrid at batch 1 x 32768 trains 1.08x faster unrolled, ``docs/benchmarks.md``).
 
 Per row and batch shape it reports tokens/s (median over windows of ``--window`` steps, each
 synchronized, after ``--warmup`` steps), model FLOP utilisation (``3 ×
