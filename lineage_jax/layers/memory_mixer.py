@@ -171,7 +171,11 @@ def causal_conv(x: Array, w: Array, prefix: Optional[Array], doc: Optional[Array
 
     if kernel and prefix is None and conv_pallas.fits(x):
         xp = jnp.concatenate([jnp.zeros((B, W - 1, C), x.dtype), x[:, max(T - (W - 1), 0):]], axis=1)
-        return conv_pallas.causal_conv(x, w, doc), last_document(xp[:, xp.shape[1] - (W - 1):])
+        from lineage_jax.parallel.rules import per_device  # a kernel XLA cannot partition: each device's share
+        y = per_device(conv_pallas.causal_conv, (x, w, doc),
+                       (("batch", None, "heads"), (None, "heads"), ("batch", None)), ("batch", None, "heads"),
+                       what="causal_conv kernel")
+        return y, last_document(xp[:, xp.shape[1] - (W - 1):])
     if prefix is None:
         prefix = jnp.zeros((B, W - 1, C), x.dtype)
     xp = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]

@@ -321,8 +321,15 @@ class MoE(nnx.Module):
         impl = resolve_impl(self.matmul_impl, n * k, max(w_gate.shape[2], z.shape[1]), self.num_experts, z.dtype)
         if impl == "pallas":
             from lineage_jax.layers.grouped_pallas import routed_experts  # imports grouped
+            from lineage_jax.parallel.rules import per_device
 
-            return routed_experts(z, expert_idx, weights, w_gate, w_up, w_down, self.activation), jnp.zeros((), jnp.int32)
+            # kernels XLA cannot partition: under a sharded layout each device routes its own tokens through
+            # whole expert weights (expert parallelism, which splits the experts, runs its own shard_map)
+            rows, whole = ("batch", None), (None, None, None)
+            out = per_device(lambda *a: routed_experts(*a, self.activation),
+                             (z, expert_idx, weights, w_gate, w_up, w_down), (rows, rows, rows, whole, whole, whole),
+                             rows, what="routed_experts kernels")
+            return out, jnp.zeros((), jnp.int32)
         flat_expert = expert_idx.reshape(-1)                       # [N*k], token-major
         order = jnp.argsort(flat_expert, stable=True)              # assignments sorted by expert
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))

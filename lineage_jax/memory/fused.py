@@ -238,10 +238,19 @@ def _pallas(q, k, v, doc_q, doc_k, causal, scale):
         q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, Vd - K)))
         k = jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, Vd - K)))
     q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
-    if jax.default_backend() == "tpu":
-        o = _pallas_tpu(q, k, v, doc_q, doc_k, causal, scale)
-    else:
-        o = _pallas_gpu(q, k, v, doc_q, doc_k, causal, scale, interpret=jax.default_backend() == "cpu")
+
+    def kernel(q, k, v, doc_q, doc_k):
+        if jax.default_backend() == "tpu":
+            return _pallas_tpu(q, k, v, doc_q, doc_k, causal, scale)
+        return _pallas_gpu(q, k, v, doc_q, doc_k, causal, scale, interpret=jax.default_backend() == "cpu")
+
+    # A kernel is a custom call XLA cannot partition (Mosaic refuses one under a multi-device layout): each
+    # device runs it on its own sequences and heads (the key heads are repeated to H above).
+    from lineage_jax.parallel.rules import per_device
+
+    seq = ("batch", None, "heads", None)
+    o = per_device(kernel, (q, k, v, doc_q, doc_k), (seq, seq, seq, ("batch", None), ("batch", None)), seq,
+                   what="flash attention kernel")
     return o[..., :Vd]
 
 

@@ -97,15 +97,24 @@ def _rule_inputs(q, k, v, g, beta, *, gate, scale, dt, reset=None) -> core.RuleI
 
 def _run_pallas(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, dt, opts: MemoryOptions):
     from lineage_jax._kernels import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda  # memory/ -> kernels/
+    from lineage_jax.parallel.rules import per_device  # imports models/, which import memory/
 
-    # chunk_size None: the kernels' own chunk for the target (tile-tuned); an explicit one is used.
-    kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids, chunk_size=opts.chunk_size)
-    if gate == _GATE_NONE:
-        o, S = chunk_delta_rule(q, k, v, beta, **kw)
-    elif gate == _GATE_SCALAR:
-        o, S = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-    else:
-        o, S = chunk_kda(q, k, v, g, beta, gate_lower_bound=opts.gate_lower_bound, **kw)
+    def kernels(q, k, v, g, beta, initial_state, segment_ids):
+        # chunk_size None: the kernels' own chunk for the target (tile-tuned); an explicit one is used.
+        kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids, chunk_size=opts.chunk_size)
+        if gate == _GATE_NONE:
+            return chunk_delta_rule(q, k, v, beta, **kw)
+        if gate == _GATE_SCALAR:
+            return chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        return chunk_kda(q, k, v, g, beta, gate_lower_bound=opts.gate_lower_bound, **kw)
+
+    # Under a sharded layout every device runs the kernels on its own sequences and heads (whole sequences:
+    # the state runs along them); a kernel is a custom call XLA cannot partition.
+    seq4, seq3 = ("batch", None, "heads", None), ("batch", None, "heads")
+    o, S = per_device(kernels, (q, k, v, g, beta, initial_state, segment_ids),
+                      (seq4, seq4, seq4, None if g is None else seq4[:g.ndim], seq3, ("batch", "heads", None, None),
+                       ("batch", None)),
+                      (seq4, ("batch", "heads", None, None)), what=f"{gate} delta rule kernels")
     return o.astype(jnp.result_type(q, k, v)), S.astype(dt)
 
 

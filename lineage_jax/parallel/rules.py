@@ -348,6 +348,43 @@ def with_logical_constraint(x: jax.Array, logical_axes: Sequence[Optional[str]],
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def per_device(fn, args: Sequence, in_axes: Sequence, out_axes, *, what: str = "per_device"):
+    """``fn(*args)``, on each device's own shard when a :func:`logical_sharding` context holds a mesh of
+    more than one device: ``jax.shard_map`` over that mesh, every array laid out by its logical names
+    (``in_axes``: one tuple per argument, ``None`` for an argument that is ``None``; ``out_axes``: a
+    pytree of tuples matching ``fn``'s output). Outside such a context it is ``fn(*args)``.
+
+    For computations XLA cannot partition itself: a Pallas kernel is an opaque custom call — on TPUs
+    Mosaic refuses to compile one under a multi-device layout ("Mosaic kernels cannot be
+    automatically partitioned"), and a GPU partitioner replicates it, every device computing the
+    whole batch. A dimension named ``None`` stays whole on every device (a recurrence's sequence);
+    mesh axes that do not divide a dimension are dropped, as everywhere here, so the same names give
+    the same layout to every array of the same sizes. Inside a ``shard_map`` it is ``fn(*args)``."""
+    current = _CURRENT.get()
+    if current is None or current[0].size == 1 or jax.sharding.get_abstract_mesh().manual_axes:
+        return fn(*args)  # one device, or already inside a shard_map (each device's own values)
+    mesh, rules = current
+    if len(in_axes) != len(args):
+        raise ValueError(f"{what}: {len(in_axes)} `in_axes` for {len(args)} arguments")
+    present = [i for i, a in enumerate(args) if a is not None]
+    in_specs = tuple(logical_to_spec(in_axes[i], mesh, rules, shape=jax.numpy.shape(args[i]),
+                                     what=f"{what} argument {i}") for i in present)
+    out_shapes = jax.eval_shape(fn, *args)
+    out_specs = jax.tree.map(lambda axes, o: logical_to_spec(axes, mesh, rules, shape=o.shape, what=f"{what} output"),
+                             out_axes, out_shapes, is_leaf=lambda x: isinstance(x, tuple) and all(
+                                 a is None or isinstance(a, str) for a in x))
+
+    def local(*xs):
+        full = list(args)
+        for i, x in zip(present, xs):
+            full[i] = x
+        return fn(*full)
+
+    # check_vma off: the kernels' outputs carry no varying-axes types (interpret mode would refuse them)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        *(args[i] for i in present))
+
+
 def logical_sharding_of(logical_axes: Sequence[Optional[str]], mesh: Mesh, rules: Optional[Rules] = None,
                         shape: Optional[Sequence[int]] = None) -> NamedSharding:
     """A ``NamedSharding`` from logical names (non-dividing axes dropped when ``shape`` is given)."""

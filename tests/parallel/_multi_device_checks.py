@@ -17,6 +17,7 @@ from tests._fake_devices import fake_device_xla_flags
 os.environ["XLA_FLAGS"] = fake_device_xla_flags(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -507,9 +508,145 @@ def case_plan_exchange() -> dict:
     return out
 
 
+def case_pallas_mixers() -> dict:
+    """The delta rules' kernels (``backend="pallas"``, interpreted) under a sharded layout: on each device's
+    own sequences and heads (``parallel.rules.per_device``), equal to one device's call, forward and every
+    gradient; and, the kernels built for a TPU, the sharded step lowers (Mosaic refuses a kernel XLA would
+    have to partition)."""
+    from lineage_jax import memory as MEM
+    from lineage_jax.parallel.rules import logical_sharding
+    from tests._jaxpr import calls
+    import kernels.delta.api as KA
+
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    B, T, H, D = 4, 40, 4, 32
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, T, H)), jnp.float32)
+    g_head = jnp.asarray(-rng.uniform(0.0, 0.3, (B, T, H)), jnp.float32)
+    g_chan = jnp.asarray(-rng.uniform(0.0, 0.3, (B, T, H, D)), jnp.float32)
+    S0 = jnp.asarray(0.1 * rng.standard_normal((B, H, D, D)), jnp.float32)
+    seg = jnp.asarray([[0] * 25 + [1] * 15, [0] * 40, [0] * 7 + [1] * 33, [0] * 40], jnp.int32)
+    rules = {"delta": (MEM.delta_rule, None), "gdn": (MEM.gated_delta_rule, g_head), "kda": (MEM.kda, g_chan)}
+
+    def grads(name, ctx):
+        fn, g = rules[name]
+
+        def loss(q, k, v, g, beta, S0):
+            args = (q, k, v, beta) if g is None else (q, k, v, g, beta)
+            o, S = fn(*args, initial_state=S0, segment_ids=seg, backend="pallas")
+            w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+            return jnp.sum(o * w) + jnp.sum(S * S), (o, S)
+
+        def run(q, k, v, g, beta, S0):
+            with (logical_sharding(mesh) if ctx else contextlib.nullcontext()):
+                return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5) if g is not None else (0, 1, 2, 4, 5),
+                                has_aux=True)(q, k, v, g, beta, S0)
+        return run, (q, k, v, g, beta, S0)
+
+    out = {}
+    for name in rules:
+        run, args = grads(name, False)
+        ref = jax.jit(run)(*args)
+        run_s, _ = grads(name, True)
+        shard = lambda a, axes: None if a is None else jax.device_put(  # noqa: E731
+            a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes)))
+        b4, b3 = (("data", "fsdp"), None, "tensor", None), (("data", "fsdp"), None, "tensor")
+        sargs = (shard(q, b4), shard(k, b4), shard(v, b4), shard(args[3], b4[:args[3].ndim] if args[3] is not None
+                                                                  else ()), shard(beta, b3),
+                 shard(S0, (("data", "fsdp"), "tensor", None, None)))
+        got = jax.jit(run_s)(*sargs)
+        out[name] = {"max_rel": float(max(rel(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))))}
+        # every kernel launch sees one device's share: 1/4 of the batch, 1/2 of the heads
+        for key, fn_ in (("ref", run), ("sharded", run_s)):
+            jx = jax.make_jaxpr(fn_)(*(sargs if key == "sharded" else args)).jaxpr
+            out[name][key + "_kernel_elems"] = max(int(np.prod(var.aval.shape)) for e in calls(jx, ("pallas_call",))
+                                                  for var in e.invars)
+        out[name]["shard_maps"] = sum(1 for _ in calls(jax.make_jaxpr(run_s)(*sargs).jaxpr, ("shard_map",)))
+        out[name]["ref_shard_maps"] = sum(1 for _ in calls(jax.make_jaxpr(run)(*args).jaxpr, ("shard_map",)))
+
+    # The short convolution's kernel and the routed experts' grouped-matmul kernels, the same way.
+    from lineage_jax.layers.memory_mixer import causal_conv
+    x = jnp.asarray(rng.standard_normal((B, T, 3 * H * D)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 3 * H * D)), jnp.float32)
+    conv = lambda x, w: jnp.sum(jnp.sin(causal_conv(x, w, None, seg, kernel=True)[0]))  # noqa: E731
+
+    def conv_run(ctx):
+        def run(x, w):
+            with (logical_sharding(mesh) if ctx else contextlib.nullcontext()):
+                return jax.value_and_grad(conv, argnums=(0, 1))(x, w)
+        return run
+    sx = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None,
+                                                                                       "tensor")))
+    got, ref = jax.jit(conv_run(True))(sx, w), jax.jit(conv_run(False))(x, w)
+    out["conv"] = {"max_rel": float(max(rel(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))))}
+    for key, ctx, xx in (("ref", False, x), ("sharded", True, sx)):
+        jx = jax.make_jaxpr(conv_run(ctx))(xx, w).jaxpr
+        out["conv"][key + "_kernel_elems"] = max(int(np.prod(var.aval.shape)) for e in calls(jx, ("pallas_call",))
+                                                 for var in e.invars)
+    moe = MoE(16, num_experts=4, top_k=2, expert_hidden=8, matmul_impl="pallas", rngs=nnx.Rngs(0))
+    xm = jnp.asarray(rng.standard_normal((B, 8, 16)), jnp.float32)
+
+    def moe_run(ctx):
+        def run(x):
+            with (logical_sharding(mesh) if ctx else contextlib.nullcontext()):
+                return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(moe(x)[0])))(x)
+        return run
+    sxm = jax.device_put(xm, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
+    got, ref = jax.jit(moe_run(True))(sxm), jax.jit(moe_run(False))(xm)
+    out["moe"] = {"max_rel": float(max(rel(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))),
+                  "shard_maps": sum(1 for _ in calls(jax.make_jaxpr(moe_run(True))(sxm).jaxpr, ("shard_map",))),
+                  "ref_shard_maps": sum(1 for _ in calls(jax.make_jaxpr(moe_run(False))(xm).jaxpr, ("shard_map",)))}
+
+    # JAX's flash-attention kernels (impl="pallas"), grouped key heads and documents.
+    Ta = 128
+    qa = jnp.asarray(rng.standard_normal((B, Ta, H, D)), jnp.float32)
+    ka, va = (jnp.asarray(rng.standard_normal((B, Ta, 2, D)), jnp.float32) for _ in range(2))
+    sega = jnp.asarray([[0] * 50 + [1] * 78, [0] * Ta, [0] * 10 + [1] * 118, [0] * Ta], jnp.int32)
+
+    def att_run(ctx):
+        def run(q, k, v):
+            def loss(q, k, v):
+                o = MEM.softmax_attention(q, k, v, causal=True, segment_ids=sega, impl="pallas")
+                return jnp.sum(jnp.sin(o))
+            with (logical_sharding(mesh) if ctx else contextlib.nullcontext()):
+                return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return run
+    b4s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None))
+    sqa, ska, sva = (jax.device_put(a, b4s) for a in (qa, ka, va))
+    got, ref = jax.jit(att_run(True))(sqa, ska, sva), jax.jit(att_run(False))(qa, ka, va)
+    out["attention"] = {"max_rel": float(max(rel(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))),
+                        "shard_maps": sum(1 for _ in calls(jax.make_jaxpr(att_run(True))(sqa, ska, sva).jaxpr,
+                                                           ("shard_map",)))}
+
+    # The kernels built for a TPU (Mosaic, not interpreted), the sharded step exported for a TPU.
+    target, backend = KA.default_target, jax.default_backend
+    KA.default_target = lambda: "tpu"
+    jax.default_backend = lambda: "tpu"
+    try:
+        run_s, args = grads("kda", True)
+        spec = lambda a, axes: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(  # noqa
+            mesh, jax.sharding.PartitionSpec(*axes)))
+        b4, b3 = (("data", "fsdp"), None, "tensor", None), (("data", "fsdp"), None, "tensor")
+        text = jax.export.export(jax.jit(run_s), platforms=["tpu"])(
+            spec(q, b4), spec(k, b4), spec(v, b4), spec(g_chan, b4), spec(beta, b3),
+            spec(S0, (("data", "fsdp"), "tensor", None, None))).mlir_module()
+        spec_a = lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=b4s)  # noqa: E731
+        text_a = jax.export.export(jax.jit(att_run(True)), platforms=["tpu"])(spec_a(qa), spec_a(ka), spec_a(va)
+                                                                               ).mlir_module()
+    finally:
+        KA.default_target, jax.default_backend = target, backend
+    out["tpu_export_mosaic_calls"] = text.count("tpu_custom_call")
+    out["tpu_export_attention_mosaic_calls"] = text_a.count("tpu_custom_call")
+    return out
+
+
 CASES = {"plan_exchange": case_plan_exchange, "moe": case_moe, "model": case_model, "model_data": case_model_data,
          "kimi_linear": case_kimi_linear, "decode": case_decode, "train_loop": case_train_loop, "hf_load": case_hf_load,
-         "optimizers": case_optimizers}
+         "optimizers": case_optimizers, "pallas_mixers": case_pallas_mixers}
 
 
 def main(argv) -> int:

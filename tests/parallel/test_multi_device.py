@@ -202,3 +202,21 @@ def test_plan_counts_the_rows_the_gpu_exchange_sends():
         assert (r["plan_rows"], r["width"], r["plan_act_bytes"]) == (rows, width, itemsize), r
         assert r["plan_bytes"] == rows * width * itemsize
     assert res["capacity"]["plan_rows"] < res["dropless"]["plan_rows"]
+
+
+def test_delta_rule_kernels_run_per_device_under_a_sharded_layout():
+    """``backend="pallas"`` inside a layout over data × fsdp × tensor: each kernel launch takes one device's
+    share (a quarter of the batch, half the heads, under ``shard_map``), with the one-device call's outputs and
+    gradients (DeltaNet, Gated DeltaNet, KDA; documents, an initial state); so do the short convolution's kernel
+    and an MoE layer's grouped-matmul kernels (each device's tokens), and JAX's flash-attention kernels; built for
+    a TPU the sharded steps lower to Mosaic calls (Mosaic refuses a kernel under a layout XLA would partition)."""
+    res = run_case("pallas_mixers")
+    for name in ("delta", "gdn", "kda"):
+        r = res[name]
+        assert r["max_rel"] < TOL, (name, r)
+        assert r["sharded_kernel_elems"] * 8 == r["ref_kernel_elems"], (name, r)
+        assert r["shard_maps"] > 0 and r["ref_shard_maps"] == 0, (name, r)
+    assert res["conv"]["max_rel"] < TOL and res["conv"]["sharded_kernel_elems"] * 8 == res["conv"]["ref_kernel_elems"]
+    assert res["moe"]["max_rel"] < TOL and res["moe"]["shard_maps"] > 0 == res["moe"]["ref_shard_maps"], res["moe"]
+    assert res["attention"]["max_rel"] < TOL and res["attention"]["shard_maps"] > 0, res["attention"]
+    assert res["tpu_export_mosaic_calls"] > 0 and res["tpu_export_attention_mosaic_calls"] > 0, res
