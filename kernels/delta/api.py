@@ -1330,9 +1330,11 @@ def _prepare(q, k, v, g, beta, *, gate, scale, initial_state, segment_ids, chunk
         if w is not None and w not in (1, 2, 4, 8, 16):
             raise ValueError(f"`{name}` must be 1, 2, 4, 8 or 16 (warps per program), got {w!r}")
     if bv is not None and (isinstance(bv, bool) or not isinstance(bv, (int, np.integer)) or bv < 1 or bv & (bv - 1)
-                           or V % bv or (target == "gpu" and bv < 16)):
-        raise ValueError(f"`bv` must be a power of two dividing the padded value dim V = {V}"
-                         f"{' and >= 16 on GPUs (matmul tiles)' if target == 'gpu' else ''}, or None, got {bv!r}")
+                           or V % bv or (target == "gpu" and bv < 16) or (target == "tpu" and bv < 128)):
+        least = {"gpu": " and >= 16 on GPUs (matmul tiles)",
+                 "tpu": " and >= 128 on TPUs (Mosaic's blocks are whole 128-lane rows)"}[target]
+        raise ValueError(f"`bv` must be a power of two dividing the padded value dim V = {V}{least}, or None, "
+                         f"got {bv!r}")
     stages_ok = (isinstance(num_stages_state, (int, np.integer)) and not isinstance(num_stages_state, bool)
                  and num_stages_state >= 1)
     if num_stages_state is not None and not stages_ok:

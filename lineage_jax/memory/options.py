@@ -38,7 +38,9 @@ class MemoryOptions:
     Attributes:
       backend: ``"xla"`` (the chunked form in :mod:`lineage_jax.memory.core`), ``"pallas"`` (the
         ``kernels.delta`` kernels; interpret mode on a CPU) or ``"auto"`` (Pallas on GPUs and TPUs
-        for chunked calls with float32 arithmetic at a chunk size the kernels take, XLA otherwise).
+        for chunked calls computing in float32 — every input dtype but float64 — at a chunk size the
+        kernels take, XLA otherwise). The kernels take 16-bit q, k, v into their matmuls as they are
+        (float32 accumulation and state), float32 ones float32-accurately.
       chunk_size: tokens per chunk; ``None`` is each backend's own (64 for XLA, the kernels'
         tile-tuned chunk for Pallas). The kernels take powers of two >= 16 (on GPUs up to 64).
       gate_lower_bound: KDA only — a promise that every log-decay is ``>= gate_lower_bound``, in

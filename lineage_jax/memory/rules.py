@@ -213,8 +213,11 @@ def delta_rule(
         own (64 for XLA, the kernels' tile-tuned chunk for Pallas). An explicit size is used
         by either backend (the kernels need a power of two >= 16 and say so otherwise).
       backend: ``"xla"`` (the default: :mod:`.core`), ``"pallas"`` (the :mod:`kernels.delta`
-        kernels, chunked mode only, float32 arithmetic; interpret mode on the CPU) or ``"auto"``
-        (Pallas on GPU/TPU for float32-compute chunked calls, else XLA).
+        kernels, chunked mode only; interpret mode on the CPU) or ``"auto"`` (Pallas on GPU/TPU
+        for chunked calls computing in float32 — every input dtype but float64 — else XLA). The
+        kernels take 16-bit q, k, v into their matmuls as they are (float32 accumulation, a
+        float32 state) and float32 ones float32-accurately; ``MemoryOptions.precision`` is the XLA
+        form's.
       options: a :class:`~lineage_jax.memory.MemoryOptions` (backend, chunk size, KDA's gate
         bound, matmul precision) instead of ``backend`` / ``chunk_size`` (not both).
     Returns:

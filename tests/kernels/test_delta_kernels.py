@@ -1160,3 +1160,30 @@ def test_gate_lower_bound_errors():
         kd.chunk_kda(q, k, v, jnp.maximum(g, -5.0), beta, gate_lower_bound=-20.0)
     with pytest.raises(ValueError, match="per-channel"):  # scalar gates need no bound
         kd.chunk_gated_delta_rule(q, k, v, gs, beta, gate_lower_bound=BOUND)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_tpu_unrolled_loops(rule, monkeypatch):
+    """The form a TPU compiles: Mosaic gets the 16-step tile loops unrolled in Python (``Cfg.unroll``), which
+    interpret mode otherwise keeps as ``fori_loop``s. Forward and every gradient against the reference."""
+    made, real = [], kd.Cfg
+
+    def unrolled(*a, **kw):
+        made.append(real(*a, **dict(kw, unroll=True)))
+        return made[-1]
+
+    monkeypatch.setattr(kd, "Cfg", unrolled)
+    check(rule, make_inputs(12, gates="bound" if rule == "kda_bounded" else "uniform"), True, 1e-4, target="tpu")
+    assert made and all(c.unroll for c in made)
+
+
+def test_tpu_value_blocks_take_whole_lanes():
+    """Mosaic's blocks are whole 128-lane rows: a narrower ``bv`` is refused by name on a TPU (interpret mode
+    would run it and a TPU would not lower it)."""
+    x = make_inputs(13)
+    q, k, v, beta = (jnp.asarray(x[n]) for n in ("q", "k", "v", "beta"))
+    for bv in (16, 64):
+        with pytest.raises(ValueError, match=r"`bv`.*>= 128 on TPUs"):
+            kd.chunk_delta_rule(q, k, v, beta, target="tpu", interpret=True, bv=bv)
+    o, _ = kd.chunk_delta_rule(q, k, v, beta, target="tpu", interpret=True, bv=128)
+    assert o.shape == v.shape
