@@ -25,6 +25,10 @@ Three things do not follow the policy, by design:
 * the Pallas delta-rule kernels keep float32 inputs float32-accurate on every backend (six
   bf16 MMAs on GPU, ``HIGHEST`` on TPU) and run bf16 inputs as bf16;
 * cuDNN / Pallas flash attention compute in the dtype of their inputs.
+
+The library's custom backward rules (blockwise attention, the tiled grouped matmul) run at the
+precision in force where their forward ran (:func:`precision_in_force`), so a model's
+``matmul_precision`` reaches its backward pass wherever ``grad`` is called.
 """
 
 from __future__ import annotations
@@ -50,3 +54,17 @@ def matmul_precision(name: str):
     if name == "default":
         return contextlib.nullcontext()
     return jax.default_matmul_precision(name)
+
+
+def precision_in_force() -> "str | None":
+    """The matmul precision in force where this is called (``jax.default_matmul_precision``'s
+    setting; ``None``: the backend's default) — for a custom VJP to capture in its forward and
+    re-enter in its backward (:func:`at_precision`): JAX traces a backward rule when ``grad``
+    transposes, after the forward's context has closed."""
+    return jax.config.jax_default_matmul_precision
+
+
+def at_precision(name: "str | None"):
+    """A context running matmuls with no explicit precision at ``name`` (a value of
+    :func:`precision_in_force`; ``None`` leaves the one in force)."""
+    return contextlib.nullcontext() if name is None else jax.default_matmul_precision(name)

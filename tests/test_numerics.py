@@ -56,8 +56,13 @@ def test_model_matmul_precision_reaches_every_product(name):
 
 
 @pytest.mark.default_precision
-def test_gradients_run_at_the_model_precision():
-    fn, state, tokens = _model_fn("tiny_gdn", matmul_precision="highest", memory_backend="xla")
+@pytest.mark.parametrize("name,over", [("tiny_gdn", {}), ("tiny_llama", {}),
+                                       ("tiny_kimi_linear", {"moe_matmul_impl": "tiled"})])
+def test_gradients_run_at_the_model_precision(name, over):
+    """Every product of the backward pass too, those of the custom backward rules included (blockwise
+    attention, the tiled grouped matmul: traced when ``grad`` transposes, outside the model's own context)."""
+    fn, state, tokens = _model_fn(name, matmul_precision="highest", memory_backend="xla", **over)
+    assert precision_in_force() == "default"
     loss = lambda s, t: jnp.mean(fn(s, t) ** 2)
     precs = _dot_precisions(jax.grad(loss), state, tokens)
     assert precs and all("HIGHEST" in p for p in precs), precs

@@ -56,6 +56,7 @@ from lineage_jax.layers.ffn import glu
 from lineage_jax.layers.grouped_layout import RESIDUALS, _Layout, _layout, _out_dtype, _rows
 from lineage_jax.layers.grouped_pallas import gmm
 from lineage_jax.memory._validate import is_concrete
+from lineage_jax.numerics import at_precision, precision_in_force
 
 Array = jax.Array
 
@@ -153,21 +154,27 @@ def _common_variance(*arrays: Array) -> tuple[Array, ...]:
     return tuple(a + zero.astype(a.dtype) for a in arrays)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _tiled(x: Array, w: Array, group_sizes: Array, tile: int, out_dtype) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _tiled(x: Array, w: Array, group_sizes: Array, tile: int, out_dtype, prec) -> Array:
     m, k = x.shape
     g, _, n = w.shape
     lay = _layout(group_sizes, m, g, tile, *_tiled_sizes(m, k, n, g, tile))
     return _tiled_apply(x, w, lay, tile, out_dtype, transpose=False)
 
 
-def _tiled_fwd(x, w, group_sizes, tile, out_dtype):
-    return _tiled(x, w, group_sizes, tile, out_dtype), (x, w, group_sizes)
+def _tiled_fwd(x, w, group_sizes, tile, out_dtype, prec):
+    return _tiled(x, w, group_sizes, tile, out_dtype, prec), (x, w, group_sizes)
 
 
-def _tiled_bwd(tile, out_dtype, res, dy):
+def _tiled_bwd(tile, out_dtype, prec, res, dy):
     """``dx = dy W[g]^T`` by the same tiles; ``dw[g] = sum over g's tiles of x_tile^T dy_tile``,
-    scatter-added into a float32 ``[G, K, N]`` accumulator carried through the scan."""
+    scatter-added into a float32 ``[G, K, N]`` accumulator carried through the scan; at the
+    forward's matmul precision ``prec``."""
+    with at_precision(prec):
+        return _tiled_bwd_at(tile, res, dy)
+
+
+def _tiled_bwd_at(tile, res, dy):
     x, w, group_sizes = res
     m, k = x.shape
     g, _, n = w.shape
@@ -221,7 +228,7 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, impl: str = "auto"
         return jnp.zeros((x.shape[0], w.shape[2]), out_dtype)
     if impl == "pallas":
         return gmm(*_common_variance(x, w, group_sizes), tile=int(tile), out_dtype=out_dtype)
-    return _tiled(*_common_variance(x, w, group_sizes), int(tile), out_dtype)
+    return _tiled(*_common_variance(x, w, group_sizes), int(tile), out_dtype, precision_in_force())
 
 
 def grouped_glu_mlp(xs: Array, w_gate: Array, w_up: Array, w_down: Array, group_sizes: Array,

@@ -36,6 +36,8 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from lineage_jax.numerics import at_precision, precision_in_force
+
 Array = jax.Array
 
 IMPLS = ("auto", "xla", "cudnn", "pallas")
@@ -109,18 +111,23 @@ def _fwd_pass(q, k, v, doc_q, doc_k, causal, scale, block):
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _blockwise(q, k, v, doc_q, doc_k, causal, scale, block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _blockwise(q, k, v, doc_q, doc_k, causal, scale, block, prec):
     return _fwd_pass(q, k, v, doc_q, doc_k, causal, scale, block)[0]
 
 
-def _blockwise_fwd(q, k, v, doc_q, doc_k, causal, scale, block):
+def _blockwise_fwd(q, k, v, doc_q, doc_k, causal, scale, block, prec):
     o, lse = _fwd_pass(q, k, v, doc_q, doc_k, causal, scale, block)
     # Named so that a remat policy can keep them (``save_only_these_names(RESIDUALS)``).
     return o, (q, k, v, doc_q, doc_k, checkpoint_name(o, RESIDUALS), checkpoint_name(lse, RESIDUALS))
 
 
-def _blockwise_bwd(causal, scale, block, res, do):
+def _blockwise_bwd(causal, scale, block, prec, res, do):
+    with at_precision(prec):  # the forward's precision (this rule is traced where grad transposes)
+        return _blockwise_bwd_at(causal, scale, block, res, do)
+
+
+def _blockwise_bwd_at(causal, scale, block, res, do):
     q, k, v, doc_q, doc_k, o, lse = res
     B, T, H, K = q.shape
     S, Hk = k.shape[1], k.shape[2]
@@ -169,7 +176,7 @@ def blockwise_attention(q: Array, k: Array, v: Array, *, scale: float, causal: b
     :func:`lineage_jax.memory.softmax_attention`).
     """
     block = int(min(block_k, k.shape[1]))
-    return _blockwise(q, k, v, doc_q, doc_k, bool(causal), float(scale), block)
+    return _blockwise(q, k, v, doc_q, doc_k, bool(causal), float(scale), block, precision_in_force())
 
 
 # ---------------------------------------------------------------------------- cuDNN
