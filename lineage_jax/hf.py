@@ -821,6 +821,8 @@ def load(path: str, *, dtype: Optional[str] = None, mesh=None, rules=None, scan_
       path: a directory holding ``config.json`` and ``model.safetensors`` (or shards with
         ``model.safetensors.index.json``).
       dtype: ``"float32"`` (default) or ``"bfloat16"``: the parameters' dtype and ``ModelConfig.dtype``.
+        bfloat16 parameters halve an inference load's memory; they are not master weights
+        (``TrainStep`` refuses them: load in float32 to train).
       mesh: a ``jax.sharding.Mesh``: each parameter is placed directly into its sharding under
         ``rules`` (``lineage_jax.parallel`` logical-axis rules; default ``DEFAULT_RULES``), each
         device reading only its part of the routed experts. None: one device.

@@ -201,7 +201,7 @@ class ModelConfig:
     # stacked residuals).
     scan_unroll: bool = False
     scan_period: Optional[int] = None  # macrocycle length for lax.scan (default: smallest period of the pattern)
-    dtype: str = "float32"  # activation dtype ("float32" | "bfloat16"); parameters stay float32
+    dtype: str = "float32"  # activation dtype ("float32" | "bfloat16"); parameters stay float32 (but hf.load's)
 
     def __post_init__(self):
         # Older configs and `--set remat=true` spell the policy as a bool.

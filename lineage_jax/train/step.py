@@ -361,6 +361,12 @@ class TrainStep:
         self.parallel = Parallel(mesh, rules, self.expert_parallel)
         self.router_bias_rate, self.router_bias_rule = float(router_bias_rate), router_bias_rule
         self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        narrow = [(jax.tree_util.keystr(path), leaf.dtype) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                  if jnp.issubdtype(leaf.dtype, jnp.floating) and jnp.dtype(leaf.dtype).itemsize < 4]
+        if narrow:  # the optimizer state would follow them: bf16 moments, updates rounded away
+            raise ValueError(f"TrainStep: `model` must hold float32 master weights; {len(narrow)} parameters are "
+                             f"16-bit, e.g. {narrow[0][0]} ({narrow[0][1]}) — a model from hf.load(dtype='bfloat16') "
+                             f"is for inference: load it in float32 to train")
         replicated = NamedSharding(mesh, P())
         self.state_shardings = state_shardings((params, rest), self.tx, self.parallel)
         param_sh = self.state_shardings.params

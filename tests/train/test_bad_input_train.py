@@ -198,3 +198,18 @@ def test_valid_configs_still_accepted():
     TrainConfig(lr=1, warmup_steps=0, eval_every=0, b1=0.0, b2=0.999, weight_decay=0, min_lr_ratio=1, seed=2**32 - 1)
     tc, mc = apply_overrides(TrainConfig(), get_config("tiny_gpt2"), ["lr=1e-3", "model.d_model=128"])
     assert tc.lr == 1e-3 and mc.d_model == 128
+
+
+def test_train_step_refuses_bfloat16_parameters():
+    """A model loaded with ``hf.load(dtype="bfloat16")`` holds 16-bit parameters (for inference): a
+    ``TrainStep`` over it would keep bf16 optimizer moments and round small updates away, so it is refused
+    naming ``model``; the same checkpoint in float32 trains."""
+    from lineage_jax import hf
+    from lineage_jax.parallel.mesh import make_mesh
+    from lineage_jax.train.step import TrainStep
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures", "hf", "kimi_linear")
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match=r"`model` must hold float32 master weights.*bfloat16"):
+        TrainStep(hf.load(path, dtype="bfloat16"), mesh)
+    assert TrainStep(hf.load(path), mesh) is not None
