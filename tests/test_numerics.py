@@ -108,3 +108,54 @@ def test_unknown_precision_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="matmul_precision"):
         matmul_precision("fast")
     assert MATMUL_PRECISIONS == ("default", "high", "highest")
+
+
+@pytest.mark.default_precision
+def test_delta_corrections_follow_the_policy():
+    """``memory.delta_corrections``: its products at the precision in force, its decay from the float32
+    prefix sum (the one exception), no ``cumsum``."""
+    r = np.random.default_rng(1)
+    k, v = (jnp.asarray(r.normal(size=(1, 12, 2, 8)), jnp.float32) for _ in range(2))
+    g = -jnp.asarray(r.uniform(0, 1, (1, 12, 2, 8)), jnp.float32)
+    beta = jnp.asarray(r.uniform(0, 1, (1, 12, 2)), jnp.float32)
+    S0 = jnp.asarray(r.normal(size=(1, 2, 8, 8)), jnp.float32)
+    f = lambda *a: memory.delta_corrections(*a[:3], g=a[3], initial_state=a[4])  # noqa: E731
+    assert precision_in_force() == "default"
+    precs = _dot_precisions(f, k, v, beta, g, S0)
+    assert "None" in precs and any("HIGHEST" in p for p in precs), precs
+    assert "cumsum" not in str(jax.make_jaxpr(f)(k, v, beta, g, S0))
+    with matmul_precision("highest"):
+        precs = _dot_precisions(f, k, v, beta, g, S0)
+        assert precs and all("HIGHEST" in p for p in precs), precs
+
+
+@pytest.mark.default_precision
+@pytest.mark.parametrize("rule", ["linear", "deltanet", "gdn"])
+def test_a_mixer_runs_its_rule_at_the_options_precision(rule):
+    """A standalone mixer's ``MemoryOptions.precision`` reaches its rule's products, the normalized linear
+    rule's (which takes no options) too; the projections follow the caller's context."""
+    from lineage_jax.layers.memory_mixer import MemoryMixer
+
+    m = MemoryMixer(32, rule=rule, num_heads=2, head_dim=16, conv_size=0, rngs=nnx.Rngs(0),
+                    options=memory.MemoryOptions(backend="xla", chunk_size=16, precision="highest"))
+    x = jnp.ones((1, 24, 32))
+    with matmul_precision("highest"):
+        assert all("HIGHEST" in p for p in _dot_precisions(lambda x: m(x), x))
+    n_highest = lambda: sum(1 for e in _dot_eqns(lambda x: m(x), x) if "HIGHEST" in str(e))  # noqa: E731
+    assert precision_in_force() == "default" and n_highest() >= 4  # the rule's products, not only projections
+
+
+def _dot_eqns(fn, *args):
+    out = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                out.append(eqn.params.get("precision"))
+            for v in eqn.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return out

@@ -43,6 +43,7 @@ from lineage_jax.memory import _validate as V
 from lineage_jax.memory.options import MemoryOptions
 from lineage_jax.memory.options import resolve as resolve_options
 from lineage_jax.memory.segments import document_index
+from lineage_jax.numerics import matmul_precision
 from lineage_jax.layers.common import Dense, RMSNorm, l2_normalize, normal, param
 
 Array = jax.Array
@@ -444,8 +445,9 @@ class MemoryMixer(nnx.Module):
     def _rule(self, q, k, v, g, beta, state, segment_ids):
         """The sequence through the rule's update equation (the Pallas kernels run the erasing rules)."""
         kw = dict(initial_state=state, segment_ids=segment_ids)
-        if self.spec.normalize:
-            return memory.linear_attention(q, k, v, normalize=True, chunk_size=self.options.chunk_size, **kw)
+        if self.spec.normalize:  # (no options: its XLA form at the options' precision, as the other rules')
+            with matmul_precision(self.options.precision):
+                return memory.linear_attention(q, k, v, normalize=True, chunk_size=self.options.chunk_size, **kw)
         return memory.update_rule(q, k, v, g=g, beta=beta, gate=self.spec.gate, erase=self.spec.erase,
                                   options=self.options, **kw)
 

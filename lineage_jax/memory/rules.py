@@ -504,12 +504,12 @@ def delta_corrections(
     to_bh = lambda a: None if a is None else jnp.moveaxis(jnp.asarray(a).astype(dt), 2, 1)  # [B,H,T,...]
     kk_, v_, beta_ = to_bh(k), to_bh(v), to_bh(beta)
     g_ = None if g is None else to_bh(g if gate == _GATE_CHANNEL else jnp.asarray(g)[..., None])
-    decay_in = jnp.ones((1, 1, 1, 1), dt) if g_ is None else jnp.exp(jnp.cumsum(g_, axis=-2))
+    decay_in = jnp.ones((1, 1, 1, 1), dt) if g_ is None else jnp.exp(core.prefix_sum(g_, axis=-2))
     (overlaps,) = core.decayed_scores((kk_,), kk_, g_)
     U, W = core.ut_transform(overlaps, kk_, v_, beta_, decay_in)
     if initial_state is not None:
         V.require_shape(fn, "initial_state", initial_state, (B, H, K, Vd), "[B,H,K,V]")
         V.require_float(fn, "initial_state", initial_state)
         V.check_finite(fn, "initial_state", initial_state)
-        U = U - jnp.einsum("bhtk,bhkv->bhtv", W, initial_state.astype(dt), precision="highest")
+        U = U - jnp.einsum("bhtk,bhkv->bhtv", W, initial_state.astype(dt))
     return jnp.moveaxis(U, 1, 2)
