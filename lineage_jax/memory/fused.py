@@ -285,13 +285,32 @@ def _pallas_gpu(q, k, v, doc_q, doc_k, causal, scale, *, interpret):
     return o[:, :T]
 
 
-def _pallas_tpu(q, k, v, doc_q, doc_k, causal, scale):  # pragma: no cover - needs a TPU
+TPU_FLASH_BLOCK = 128  # jax.experimental.pallas.ops.tpu.flash_attention's default blocks (and lane width)
+
+
+def _pallas_tpu(q, k, v, doc_q, doc_k, causal, scale):
+    """JAX's Mosaic flash attention, on the shapes it takes: heads wider than 128 zero-padded to a
+    multiple of 128 (MLA's 192: q·k unchanged), sequences padded to whole 128-token blocks (padded keys
+    in a document of their own, which no real query sees)."""
     from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds, flash_attention
 
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    Dp = D if D <= TPU_FLASH_BLOCK else -(-D // TPU_FLASH_BLOCK) * TPU_FLASH_BLOCK
+    Tp, Sp = (max(TPU_FLASH_BLOCK, -(-n // TPU_FLASH_BLOCK) * TPU_FLASH_BLOCK) for n in (T, S))
+    if Dp != D:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, Dp - D))) for a in (q, k, v))
+    if (Tp, Sp) != (T, S):
+        q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+        k, v = (jnp.pad(a, ((0, 0), (0, Sp - S), (0, 0), (0, 0))) for a in (k, v))
+        doc_q = jnp.zeros((B, T), jnp.int32) if doc_q is None else doc_q.astype(jnp.int32)
+        doc_k = jnp.zeros((B, S), jnp.int32) if doc_k is None else doc_k.astype(jnp.int32)
+        doc_q = jnp.pad(doc_q, ((0, 0), (0, Tp - T)), constant_values=-1)
+        doc_k = jnp.pad(doc_k, ((0, 0), (0, Sp - S)), constant_values=-2)
     seg = None if doc_q is None else SegmentIds(q=doc_q.astype(jnp.int32), kv=doc_k.astype(jnp.int32))
     t = lambda a: jnp.swapaxes(a, 1, 2)
     o = flash_attention(t(q), t(k), t(v), segment_ids=seg, causal=bool(causal), sm_scale=float(scale))
-    return t(o)
+    return t(o)[:, :T, :, :D]
 
 
 # ---------------------------------------------------------------------------- dispatch

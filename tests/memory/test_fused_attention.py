@@ -164,3 +164,40 @@ def test_auto_resolves_per_backend():
     want = {"gpu": "cudnn", "tpu": "pallas"}.get(jax.default_backend(), "xla")
     assert fused.resolve_impl("t", "auto", q, q, q) == want
     assert fused.resolve_impl("t", "auto", q.astype(jnp.float32), q, q) in ("xla", "pallas")
+
+
+@pytest.mark.parametrize("T,H,Hk,K,V,segments,causal", [(200, 2, 2, 192, 128, True, True),
+                                                        (130, 2, 1, 64, 64, False, True),
+                                                        (60, 2, 2, 128, 128, True, False)])
+def test_tpu_flash_attention_takes_mla_widths_and_any_length(T, H, Hk, K, V, segments, causal):
+    """JAX's Mosaic flash attention (``"auto"`` on a TPU) refuses heads wider than 128 that are not
+    multiples of 128 (MLA's 192) and sequences shorter than its 128-token blocks; ``_pallas_tpu`` pads
+    both. Run in the TPU interpret mode: output and gradients against the float32 blockwise form."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    r = np.random.default_rng(T + K)
+    q = jnp.asarray(r.normal(size=(2, T, H, K)), jnp.float32)
+    k = jnp.asarray(r.normal(size=(2, T, Hk, K)), jnp.float32)
+    v = jnp.asarray(r.normal(size=(2, T, Hk, V)), jnp.float32)
+    doc = jnp.asarray(np.sort(r.integers(0, 3, size=(2, T)), axis=1), jnp.int32) if segments else None
+    w = jnp.asarray(r.normal(size=(2, T, H, V)), jnp.float32)
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v) * w)
+
+    def tpu(q, k, v):
+        kk, vv = jnp.repeat(k, H // Hk, 2), jnp.repeat(v, H // Hk, 2)  # as fused._pallas hands them over
+        vv = jnp.pad(vv, ((0, 0), (0, 0), (0, 0), (0, max(K - V, 0))))
+        return fused._pallas_tpu(q, kk, vv, doc, doc, causal, K ** -0.5)[..., :V]
+
+    ref = lambda q, k, v: fused.blockwise_attention(q, k, v, scale=K ** -0.5, causal=causal, doc_q=doc, doc_k=doc)
+    want = jax.value_and_grad(loss, argnums=(1, 2, 3))(ref, q, k, v)
+    with pltpu.force_tpu_interpret_mode():
+        got = jax.value_and_grad(loss, argnums=(1, 2, 3))(tpu, q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) < 5e-5
+    # the interpret mode does not check Mosaic's shape rules: the TPU lowering, from the CPU, does
+    sd = lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16)  # noqa: E731
+    text = jax.export.export(jax.jit(jax.grad(lambda q, k, v: loss(tpu, q, k, v), argnums=(0, 1, 2))),
+                             platforms=["tpu"])(sd(q), sd(k), sd(v)).mlir_module()
+    assert "tpu_custom_call" in text
