@@ -17,6 +17,7 @@ tests reuse one compilation (interpret mode compiles are the cost here).
 """
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -1163,17 +1164,19 @@ def test_gate_lower_bound_errors():
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_tpu_unrolled_loops(rule, monkeypatch):
-    """The form a TPU compiles: Mosaic gets the 16-step tile loops unrolled in Python (``Cfg.unroll``), which
-    interpret mode otherwise keeps as ``fori_loop``s. Forward and every gradient against the reference."""
+def test_tpu_interpret_mode(rule, monkeypatch):
+    """The kernels as a TPU compiles them — not interpreted by Pallas (``interpret=False``: the 16-step tile
+    loops unrolled in Python, ``Cfg.unroll``) — run by JAX's TPU interpret mode, which emulates Mosaic's
+    grid, memory spaces and pipelining on the CPU. Forward and every gradient against the reference."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    here = sys.modules[__name__]
+    monkeypatch.setattr(here, "_interpret", lambda target: False)
+    monkeypatch.setattr(here, "value_and_grads", value_and_grads.__wrapped__)  # not the cached interpreted ones
     made, real = [], kd.Cfg
-
-    def unrolled(*a, **kw):
-        made.append(real(*a, **dict(kw, unroll=True)))
-        return made[-1]
-
-    monkeypatch.setattr(kd, "Cfg", unrolled)
-    check(rule, make_inputs(12, gates="bound" if rule == "kda_bounded" else "uniform"), True, 1e-4, target="tpu")
+    monkeypatch.setattr(kd, "Cfg", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    with pltpu.force_tpu_interpret_mode():
+        check(rule, make_inputs(12, gates="bound" if rule == "kda_bounded" else "uniform"), True, 1e-4, target="tpu")
     assert made and all(c.unroll for c in made)
 
 
