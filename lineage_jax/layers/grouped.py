@@ -104,6 +104,9 @@ def _check(x, w, group_sizes, impl, tile) -> None:
 
 def resolve_impl(impl: str, m: int, n: int, g: int, out_dtype) -> str:
     """The implementation ``impl`` means for an ``[M, K] x [G, K, N]`` grouped matmul."""
+    if impl == "pallas" and jax.default_backend() == "tpu":  # Triton kernels; Mosaic refused them unnamed
+        raise ValueError("grouped_matmul: `impl`='pallas' runs Triton kernels (GPUs; interpret mode on a CPU); on a "
+                         "TPU use 'auto' or 'ragged_dot' (MoE: `moe_matmul_impl`)")
     if impl != "auto":
         return impl
     if jax.default_backend() == "tpu":

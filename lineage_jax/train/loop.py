@@ -26,9 +26,10 @@ from lineage_jax.train.checkpoint import Checkpointer
 from lineage_jax.train.config import TrainConfig, import_modules
 from lineage_jax.train.step import init_state, jit_steps, make_parallel
 
-# Dense bf16 peak FLOP/s by device kind, for MFU (None: unknown -> MFU not reported).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12, "TPU v5e": 197e12, "TPU v6e": 918e12,
-              "TPU v4": 275e12}
+# Dense bf16 peak FLOP/s by device kind, for MFU (None: unknown -> MFU not reported). The first name found in
+# the device kind wins: libtpu names a v5e "TPU v5 lite", a v5p "TPU v5", a v6e "TPU v6 lite".
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12, "TPU v5e": 197e12,
+              "TPU v5 lite": 197e12, "TPU v6e": 918e12, "TPU v6 lite": 918e12, "TPU v5": 459e12, "TPU v4": 275e12}
 
 
 def peak_flops() -> Optional[float]:

@@ -208,3 +208,15 @@ def test_integer_inputs_zero_columns_and_huge_group_sizes():
         for impl in ("tiled", "pallas"):
             got = GR.grouped_matmul(xs, ws, jnp.asarray(sizes, jnp.int32), impl=impl, tile=16)
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=f"{impl} {sizes}")
+
+
+def test_pallas_on_a_tpu_is_refused_by_name(monkeypatch):
+    """The grouped-matmul kernels are Triton's: on a TPU ``impl="pallas"`` is refused naming the argument (the
+    Mosaic lowering failed on them with a bare AssertionError); ``"auto"`` there is ``ragged_dot``."""
+    from lineage_jax.layers import grouped
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    x, w, gs = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([5, 3], jnp.int32)
+    with pytest.raises(ValueError, match=r"`impl`='pallas' runs Triton kernels.*TPU"):
+        grouped.grouped_matmul(x, w, gs, impl="pallas")
+    assert grouped.resolve_impl("auto", 8, 3, 2, jnp.float32) == "ragged_dot"

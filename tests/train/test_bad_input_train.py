@@ -213,3 +213,18 @@ def test_train_step_refuses_bfloat16_parameters():
     with pytest.raises(ValueError, match=r"`model` must hold float32 master weights.*bfloat16"):
         TrainStep(hf.load(path, dtype="bfloat16"), mesh)
     assert TrainStep(hf.load(path), mesh) is not None
+
+
+@pytest.mark.parametrize("kind,peak", [("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v5p", 459e12),
+                                       ("TPU v6 lite", 918e12), ("TPU v4", 275e12), ("NVIDIA H200", 989e12),
+                                       ("Some accelerator", None)])
+def test_peak_flops_knows_the_names_libtpu_gives(kind, peak, monkeypatch):
+    """MFU's peak by ``device_kind`` as the runtimes spell it (libtpu: "TPU v5 lite" for a v5e, "TPU v5" for
+    a v5p, "TPU v6 lite" for a v6e), times the device count; an unknown kind gives None (no MFU)."""
+    from types import SimpleNamespace
+
+    from lineage_jax.train import loop
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(device_kind=kind)] * 4)
+    monkeypatch.setattr(jax, "device_count", lambda *a: 4)
+    assert loop.peak_flops() == (None if peak is None else 4 * peak)
