@@ -356,8 +356,8 @@ def per_device(fn, args: Sequence, in_axes: Sequence, out_axes, *, what: str = "
 
     For computations XLA cannot partition itself: a Pallas kernel is an opaque custom call — on TPUs
     Mosaic refuses to compile one under a multi-device layout ("Mosaic kernels cannot be
-    automatically partitioned"), and a GPU partitioner replicates it, every device computing the
-    whole batch. A dimension named ``None`` stays whole on every device (a recurrence's sequence);
+    automatically partitioned"), and XLA's GPU partitioner, with no rule for it, falls back to
+    replicating it, every device computing the whole batch. A dimension named ``None`` stays whole on every device (a recurrence's sequence);
     mesh axes that do not divide a dimension are dropped, as everywhere here, so the same names give
     the same layout to every array of the same sizes. Inside a ``shard_map`` it is ``fn(*args)``."""
     current = _CURRENT.get()
