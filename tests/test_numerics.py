@@ -15,22 +15,7 @@ from tests._numerics import precision_in_force, rel_err, tolerance
 def _dot_precisions(fn, *args) -> set[str]:
     """The ``precision`` of every dot_general in ``fn``'s jaxpr, sub-jaxprs (scan, jit, remat,
     custom VJP) included: "None" (the policy in force at lowering) or the enums' names."""
-    found = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                p = eqn.params.get("precision")
-                found.add("None" if p is None else str(p))
-            for v in eqn.params.values():
-                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return {"None" if p is None else str(p) for p in _dot_eqns(fn, *args)}
 
 
 def _model_fn(name, **over):
@@ -146,6 +131,7 @@ def test_a_mixer_runs_its_rule_at_the_options_precision(rule):
 
 
 def _dot_eqns(fn, *args):
+    """The ``precision`` parameter of every dot_general in ``fn``'s jaxpr, one entry per product."""
     out = []
 
     def walk(jaxpr):
