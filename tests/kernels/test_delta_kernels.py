@@ -133,9 +133,10 @@ def value_and_grads(rule, backend, docs, target=None, chunk_size=None, tuning=()
         return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(S * w_s), (o, S)
 
     opts = None
-    if backend == "kernels" and _interpret(target) and jax.default_backend() == "gpu":
-        # Interpreted on a GPU, the kernels' bf16 splits of float32 operands are XLA ops; keep
-        # XLA from folding f32 -> bf16 -> f32 round trips ("excess precision") so they stay exact.
+    if backend == "kernels" and (_interpret(target) or target == "tpu") and jax.default_backend() == "gpu":
+        # Interpreted on a GPU (by Pallas, or the TPU flavour by JAX's TPU interpret mode), the kernels'
+        # bf16 splits of float32 operands are XLA ops; keep XLA from folding f32 -> bf16 -> f32 round
+        # trips ("excess precision") so they stay exact.
         opts = {"xla_allow_excess_precision": False}
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6), has_aux=True), compiler_options=opts)
 
