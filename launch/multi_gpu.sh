@@ -6,8 +6,9 @@
 #
 # One node, 4 GPUs, expert parallel:
 #   launch/multi_gpu.sh --gpus 0,1,2,3 -- --config tiny_k3 --steps 1000 --workdir runs/k3 --mesh expert=4
-# Two nodes (run on each, with its rank):
-#   launch/multi_gpu.sh --nodes 2 --node-rank 0 --coordinator 10.0.0.1:1234 -- --config ... --mesh data=2,expert=8
+# Two nodes of 8 GPUs (run on each, with its rank; --mesh is one node's shape, --mesh-dcn the axes that
+# cross nodes):
+#   launch/multi_gpu.sh --nodes 2 --node-rank 0 --coordinator 10.0.0.1:1234 -- --config ... --mesh expert=8 --mesh-dcn data=2
 set -euo pipefail
 
 die() { echo "multi_gpu.sh: $*" >&2; exit 2; }

@@ -125,7 +125,8 @@ def make_mesh(sizes: MeshSpec = None, *, devices: Optional[Sequence[jax.Device]]
         axis spans, e.g. ``{"data": 4}`` for 4 slices. ``sizes`` then gives the per-slice
         (ICI / NVLink) shape and the axis sizes of the mesh are the products. The devices
         are ordered with ``mesh_utils.create_hybrid_device_mesh`` so that only the ``dcn``
-        axes cross slow links.
+        axes cross slow links: the slices when the devices span more than one, else the
+        processes.
 
     Raises ``ValueError`` when the mesh does not match the device count.
     """
@@ -147,7 +148,9 @@ def make_mesh(sizes: MeshSpec = None, *, devices: Optional[Sequence[jax.Device]]
         ici = resolve_axis_sizes(sizes, len(devices) // granules)
         from jax.experimental import mesh_utils
 
-        process_is_granule = not hasattr(devices[0], "slice_index")
+        # the slow links' units: TPU slices where the devices span several; else processes (GPU nodes; jax
+        # gives CPU and GPU devices a slice_index too, the same for every process)
+        process_is_granule = len({getattr(d, "slice_index", 0) for d in devices}) <= 1
         try:
             arr = mesh_utils.create_hybrid_device_mesh(
                 [ici[a] for a in MESH_AXES], [dcn_full[a] for a in MESH_AXES], devices,

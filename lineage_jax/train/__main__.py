@@ -27,12 +27,12 @@ from lineage_jax.train.checkpoint import CheckpointError, NonFiniteStateError
 from lineage_jax.train.config import TrainConfig, apply_overrides, import_modules
 from lineage_jax.train.inputs import make_data
 from lineage_jax.train.loop import InitFromHFError, check_lengths, check_workdir, run_configs, train
-from lineage_jax.train.step import make_parallel
+from lineage_jax.train.step import make_parallel, parse_dcn_spec
 
 
 # TrainConfig fields that the command line sets with their own flags (and checks there)
 _FLAG_FIELDS = {"config": "--config", "init_from_hf": "--init-from-hf", "steps": "--steps", "workdir": "--workdir",
-                "data": "--data", "mesh": "--mesh", "imports": "--import"}
+                "data": "--data", "mesh": "--mesh", "mesh_dcn": "--mesh-dcn", "imports": "--import"}
 
 
 def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
@@ -57,6 +57,10 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
     p.add_argument("--mesh", default=None,
                    help="device mesh over all devices of all processes, e.g. data=2,fsdp=1,tensor=1,expert=4 "
                         "(axes left out are 1; one axis may be -1 = the rest); --set batch_size is the global batch")
+    p.add_argument("--mesh-dcn", dest="mesh_dcn", default=None, metavar="AXES",
+                   help="multi-slice TPU / multi-node GPU: how many slices (TPU) or processes (GPU) each mesh axis "
+                        "spans, e.g. data=2 for two slices; --mesh is then the shape within one slice or node "
+                        "(only these axes cross the slow links)")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import this Python module before the model config is read (repeatable; recorded, and "
                         "imported again on resume), e.g. one that adds a mixer with "
@@ -114,6 +118,12 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
         except ValueError as e:
             p.error(f"--mesh {args.mesh!r}: {e}")
         base["mesh"] = args.mesh
+    if args.mesh_dcn is not None:
+        try:
+            parse_dcn_spec(args.mesh_dcn)
+        except ValueError as e:
+            p.error(f"--mesh-dcn: {e}")
+        base["mesh_dcn"] = args.mesh_dcn
     for pair in args.overrides:  # fields with a flag of their own are set by that flag only
         key = pair.split("=", 1)[0].strip()
         if key in _FLAG_FIELDS:
@@ -132,20 +142,23 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # multi-host (TPU VM slices, SLURM, JAX_* env; a no-op on one host): before anything asks JAX for its
+    # backend, which the model config's checks do ("auto" settings resolve by platform)
+    maybe_initialize_distributed()
     train_cfg, model_cfg = parse(argv)
     try:
         check_lengths(train_cfg, model_cfg)
     except ValueError as e:
         _fail(str(e))
-    maybe_initialize_distributed()  # multi-host (TPU VM slices, SLURM, JAX_* env); no-op on one host
     try:
         data = make_data(train_cfg, model_cfg)
     except ValueError as e:
         _fail(f"--data {train_cfg.data}: {e}")
     try:
-        make_parallel(model_cfg, train_cfg.mesh, batch_size=train_cfg.batch_size)  # fail before any work
+        # fail before any work
+        make_parallel(model_cfg, train_cfg.mesh, batch_size=train_cfg.batch_size, mesh_dcn=train_cfg.mesh_dcn)
     except ValueError as e:
-        _fail(f"--mesh: {e}")
+        _fail(f"--mesh{'/--mesh-dcn' if train_cfg.mesh_dcn else ''}: {e}")
     try:
         check_workdir(train_cfg, model_cfg)  # a workdir holding another run: refused before writing anything
     except ValueError as e:

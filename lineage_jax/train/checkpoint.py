@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from lineage_jax.train.step import TrainState
@@ -42,8 +44,42 @@ def first_nonfinite(tree: Any) -> Optional[str]:
     return None
 
 
+PER_PROCESS = "per_process"  # the data item of a multi-process run: every process's iterator state, by index
+
+
+def _gather_json(value: Any) -> list:
+    """``value`` (JSON-able) of every process, in process order (an all-gather of its UTF-8 bytes)."""
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([raw.size], np.int32)).reshape(-1)
+    buf = np.zeros((int(sizes.max()),), np.uint8)
+    buf[:raw.size] = raw
+    every = multihost_utils.process_allgather(buf).reshape(len(sizes), -1)
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(every, sizes)]
+
+
+def _own_data_state(saved: Any) -> Any:
+    """This process's iterator state from a checkpoint's data item: the item itself (one process wrote it) or,
+    from a multi-process run, its entry by process index — refused (``ValueError``) when the run that wrote it
+    had another number of processes (each process reads its own shard of the data)."""
+    n, i = jax.process_count(), jax.process_index()
+    if isinstance(saved, dict) and set(saved) == {PER_PROCESS}:
+        states = saved[PER_PROCESS]
+        if len(states) != n:
+            raise ValueError(f"data: saved by {len(states)} processes, resumed by {n} (each process reads its own "
+                             f"shard of the data): resume with {len(states)} processes")
+        return states[i]
+    if n > 1:
+        raise ValueError(f"data: saved by one process, resumed by {n} (each process reads its own shard of the data): "
+                         f"resume with one process")
+    return saved
+
+
 class Checkpointer:
-    """A thin wrapper over ``ocp.CheckpointManager`` (async saves, keeps the last ``keep``)."""
+    """A thin wrapper over ``ocp.CheckpointManager`` (async saves, keeps the last ``keep``). In a run of several
+    processes the data item holds every process's iterator state (each reads its own shard), and a resume takes
+    its own; resuming with another number of processes is refused."""
 
     def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
         self.directory = os.path.abspath(directory)
@@ -71,6 +107,8 @@ class Checkpointer:
         bad = first_nonfinite(state._asdict())
         if bad is not None:
             raise self.diverged(step, f"the training state holds NaN or infinite values (first in {bad})")
+        if jax.process_count() > 1:  # orbax writes the JSON item from the primary process only: gather every one's
+            data_state = {PER_PROCESS: _gather_json(data_state)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
                                                         data=ocp.args.JsonSave(data_state)), force=force)
 
@@ -89,12 +127,13 @@ class Checkpointer:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                      data=ocp.args.JsonRestore()))
+            data_state = _own_data_state(out["data"])
         except Exception as e:  # orbax / tensorstore raise many types for unreadable or mismatched files
             raise self.refusal(step, e) from e
         bad = first_nonfinite(out["state"])  # saves refuse such states: a damaged file
         if bad is not None:
             raise self.refusal(step, ValueError(f"{bad} holds NaN or infinite values"))
-        return TrainState(**out["state"]), out["data"]
+        return TrainState(**out["state"]), data_state
 
     def refusal(self, step: int, error: BaseException) -> CheckpointError:
         """The :class:`CheckpointError` for step ``step``'s checkpoint that could not be restored (``error``

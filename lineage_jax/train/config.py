@@ -45,6 +45,9 @@ class TrainConfig:
     save_every: int = 50
     keep_checkpoints: int = 2
     mesh: str = ""  # e.g. "data=2,expert=4" (see lineage_jax.parallel)
+    # Multi-slice (TPU) / multi-node (GPU): how many slices or processes each mesh axis spans, e.g. "data=2";
+    # `mesh` is then the shape within one slice or node (make_mesh's `dcn`).
+    mesh_dcn: str = ""
     init_from_hf: str = ""  # a transformers checkpoint directory whose weights start the run (lineage_jax.hf)
     # Comma-separated Python modules imported before the model config is read, on every start and resume:
     # a module of the researcher's own that adds mixers (lineage_jax.models.register_rule).
@@ -58,8 +61,8 @@ class TrainConfig:
         for f in ("progress", "deterministic"):  # a truthy string such as "false" must not read as True
             if not isinstance(getattr(self, f), (bool, np.bool_)):
                 raise ValueError(f"TrainConfig.{f}: must be True or False, got {getattr(self, f)!r}")
-        for f in ("config", "workdir", "optimizer", "moe_bias_rule", "data", "tokenizer", "mesh", "init_from_hf",
-                  "imports"):
+        for f in ("config", "workdir", "optimizer", "moe_bias_rule", "data", "tokenizer", "mesh", "mesh_dcn",
+                  "init_from_hf", "imports"):
             if not isinstance(getattr(self, f), str):
                 raise ValueError(f"TrainConfig.{f}: must be a str, got {getattr(self, f)!r}")
         for f in ("config", "workdir", "data"):

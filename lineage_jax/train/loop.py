@@ -8,7 +8,9 @@ finishes the current step, saves, and exits cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -233,7 +235,10 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
     ``train_cfg.mesh`` (e.g. ``"data=2,expert=4"``) runs the same step sharded over the
     devices (``lineage_jax.train.step.make_parallel``): parameters and optimizer state
     born sharded, batches split over the batch mesh axes, MoE expert-parallel. Checkpoints
-    are saved and restored in those shardings.
+    are saved and restored in those shardings. With several processes (``jax.distributed``; the
+    CLI starts it from the environment) the first one writes ``config.json``, ``metrics.jsonl``,
+    the TensorBoard events and the progress bar; the checkpoints hold every process's data
+    iterator state.
     Returns:
       a summary with the final step, last metrics and evaluation.
     """
@@ -242,7 +247,7 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
     check_lengths(train_cfg, model_cfg)
     workdir = os.path.abspath(train_cfg.workdir)
     check_workdir(dataclasses.replace(train_cfg, workdir=workdir), model_cfg)
-    parallel = make_parallel(model_cfg, train_cfg.mesh, batch_size=train_cfg.batch_size)
+    parallel = make_parallel(model_cfg, train_cfg.mesh, batch_size=train_cfg.batch_size, mesh_dcn=train_cfg.mesh_dcn)
     put = parallel.shard_batch if parallel is not None else (lambda b: b)
     graphdef, state, tx = init_state(model_cfg, train_cfg, parallel)
     if parallel is not None:
@@ -267,21 +272,26 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
                 raise ckpt.refusal(step, e) from e
             start = int(state.step)
             log(f"resumed {workdir} at step {start}")
-        _write_configs(workdir, train_cfg, model_cfg)  # after a successful restore: a failed one changes nothing
+        # one process writes the run's files (config, metrics, TensorBoard events, the bar); every one saves and
+        # restores its share of the checkpoints
+        primary = jax.process_index() == 0
         metrics_path = os.path.join(workdir, "metrics.jsonl")
-        _trim_metrics(metrics_path, start, log)
+        if primary:
+            _write_configs(workdir, train_cfg, model_cfg)  # after a successful restore: a failed one changes nothing
+            _trim_metrics(metrics_path, start, log)
 
         train_step, eval_step = jit_steps(graphdef, tx, train_cfg, state, parallel)
         tokens_per_step = train_cfg.batch_size * train_cfg.seq_len  # the global batch
         flops_per_step = 3 * accounting.flops_per_token(model_cfg, train_cfg.seq_len) * tokens_per_step
         peak = peak_flops()
 
+        writer = None
         try:
             from tensorboardX import SummaryWriter
-            writer = SummaryWriter(os.path.join(workdir, "tb"))
+            if primary:
+                writer = SummaryWriter(os.path.join(workdir, "tb"))
         except ImportError:  # tensorboardX is a dependency, but an environment may lack it
             log("tensorboardX is not installed: no TensorBoard events (metrics.jsonl is written as always)")
-            writer = None
 
         last: dict[str, float] = {}
         evaluation: dict[str, float] = {}
@@ -289,10 +299,12 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
         if start >= train_cfg.steps:
             last, evaluation, evaluated = _last_logged(metrics_path)
             log(f"{workdir} already finished {start} steps (--steps is the total: pass a larger --steps to extend it)")
-        bar = tqdm(total=train_cfg.steps, initial=start, disable=not train_cfg.progress, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=train_cfg.steps, initial=start, disable=not (train_cfg.progress and primary), unit="step",
+                   dynamic_ncols=True)
         t_last, step_last = time.perf_counter(), start
         stopped = False
-        with _Preemption() as preempt, open(metrics_path, "a") as mfile:
+        metrics_file = open(metrics_path, "a") if primary else contextlib.nullcontext(io.StringIO())
+        with _Preemption() as preempt, metrics_file as mfile:
             def log_evaluation(at: int) -> None:
                 mfile.write(json.dumps({"step": at, **evaluation}) + "\n")
                 mfile.flush()

@@ -86,23 +86,42 @@ class Parallel:
         return shard_batch(batch, self.mesh, self.rules)
 
 
-def make_parallel(model_cfg: ModelConfig, mesh_spec: str, devices=None,
-                  batch_size: Optional[int] = None) -> Optional[Parallel]:
-    """``TrainConfig.mesh`` (e.g. ``"data=2,expert=4"``) -> a :class:`Parallel`, or ``None``
-    when the mesh has one device (the plain single-device step).
+def parse_dcn_spec(spec: str) -> dict:
+    """``TrainConfig.mesh_dcn`` (``"data=2"``; ``""``: one slice) -> axis sizes, each a positive int
+    (a ``ValueError`` naming ``mesh_dcn`` otherwise: the slices are counted, not inferred)."""
+    try:
+        sizes = parse_mesh_spec(spec)
+    except ValueError as e:
+        raise ValueError(f"mesh_dcn {spec!r}: {e}") from None
+    bad = [a for a, n in sizes.items() if n < 1]
+    if bad:
+        raise ValueError(f"mesh_dcn {spec!r}: axis {bad[0]!r} must span a positive number of slices/processes, "
+                         f"got {sizes[bad[0]]}")
+    return sizes
 
-    Raises ``ValueError`` naming ``mesh`` when it does not match the devices, when the
-    model's experts do not divide over the ``expert`` axis, or when the global
+
+def make_parallel(model_cfg: ModelConfig, mesh_spec: str, devices=None,
+                  batch_size: Optional[int] = None, mesh_dcn: str = "") -> Optional[Parallel]:
+    """``TrainConfig.mesh`` (e.g. ``"data=2,expert=4"``) -> a :class:`Parallel`, or ``None``
+    when the mesh has one device (the plain single-device step). ``mesh_dcn``
+    (``TrainConfig.mesh_dcn``, e.g. ``"data=2"``): how many TPU slices or GPU processes each axis
+    spans, ``mesh_spec`` then being the shape within one (:func:`~lineage_jax.parallel.make_mesh`'s
+    ``dcn``; sizes are positive, no ``-1``).
+
+    Raises ``ValueError`` naming ``mesh`` (or ``mesh_dcn``) when it does not match the devices, when
+    the model's experts do not divide over the ``expert`` axis, or when the global
     ``batch_size`` does not split evenly over the batch mesh axes (data × fsdp × expert).
     """
     sizes = parse_mesh_spec(mesh_spec)
+    dcn = parse_dcn_spec(mesh_dcn)
     devices = list(jax.devices() if devices is None else devices)
-    if all(s == 1 for s in sizes.values()):
+    if all(s == 1 for s in sizes.values()) and all(s == 1 for s in dcn.values()):
         return None
     try:
-        mesh = make_mesh(sizes, devices=devices)
+        mesh = make_mesh(sizes, devices=devices, dcn=dcn if any(s > 1 for s in dcn.values()) else None)
     except ValueError as e:
-        raise ValueError(f"mesh {mesh_spec!r}: {e}") from None
+        where = f"mesh {mesh_spec!r}" + (f" with mesh_dcn {mesh_dcn!r}" if mesh_dcn else "")
+        raise ValueError(f"{where}: {e}") from None
     batch_ways = math.prod(mesh_shape(mesh)[a] for a in mesh_axes_of("batch"))
     if batch_size is not None and batch_size % batch_ways:
         raise ValueError(f"batch_size={batch_size} does not split over the batch mesh axes of mesh {mesh_spec!r} "

@@ -174,8 +174,8 @@ def test_seq_len_beyond_the_learned_positions_is_refused_before_writing(tmp_path
     ("weight_decay", -0.1), ("b1", 1.0), ("b2", math.nan), ("grad_clip", math.nan), ("grad_clip", -1.0),
     ("grad_clip", 0.0), ("moe_bias_rate", math.nan), ("warmup_steps", -1), ("warmup_steps", 2.5),
     ("eval_every", -1), ("seed", -1), ("batch_size", 2.5), ("seq_len", True), ("steps", "10"),
-    ("deterministic", "false"), ("progress", "no"), ("progress", 1), ("mesh", 3), ("workdir", None), ("data", None),
-    ("init_from_hf", 5), ("optimizer", None), ("workdir", " "), ("config", ""),
+    ("deterministic", "false"), ("progress", "no"), ("progress", 1), ("mesh", 3), ("mesh_dcn", 3), ("workdir", None),
+    ("data", None), ("init_from_hf", 5), ("optimizer", None), ("workdir", " "), ("config", ""),
 ])
 def test_train_config_refuses_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{field}: must be"):

@@ -1,0 +1,120 @@
+"""The training CLI over two processes (``jax.distributed`` on the CPU, gloo collectives), two fake
+devices each: the multi-node path of a GPU cluster or a multi-host TPU run, on one machine.
+
+``--mesh fsdp=2 --mesh-dcn data=2``: the data axis spans the two processes. The run is preempted
+between steps 3 and 4 (a second command resumes it) and must log what one process with four devices
+logs for the same global mesh, once; a resume by one process is refused by name (each process reads
+its own shard of the data, and the checkpoint holds the iterator state of each)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ARGS = ["--set", "batch_size=4", "--set", "seq_len=32", "--set", "progress=false", "--set", "log_every=1",
+        "--set", "eval_batches=1"]
+TIMEOUT = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def _run_processes(args: list, n: int = 2, devices: int = 2) -> list:
+    """The CLI in ``n`` processes of ``devices`` CPU devices each; their (returncode, output)."""
+    port = _free_port()
+    procs = []
+    for i in range(n):
+        env = _env(devices, JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i),
+                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+        procs.append(subprocess.Popen([sys.executable, "-m", "lineage_jax.train", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    out = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=TIMEOUT)
+            out.append((p.returncode, text))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def _run_one(args: list, devices: int):
+    p = subprocess.run([sys.executable, "-m", "lineage_jax.train", *args], env=_env(devices), capture_output=True,
+                       text=True, timeout=TIMEOUT)
+    return p.returncode, p.stdout + p.stderr
+
+
+def _train_lines(path):
+    return [json.loads(line) for line in open(path) if "loss" in json.loads(line)]
+
+
+def test_two_processes_resume_and_match_one(tmp_path):
+    wd, ref = str(tmp_path / "two"), str(tmp_path / "one")
+    first = _run_processes(["--config", "tiny_gpt2", "--steps", "3", "--workdir", wd, "--mesh", "fsdp=2",
+                            "--mesh-dcn", "data=2", *ARGS])
+    assert all(rc == 0 for rc, _ in first), first
+    assert json.load(open(os.path.join(wd, "config.json")))["train"]["mesh_dcn"] == "data=2"
+    resumed = _run_processes(["--steps", "5", "--workdir", wd])   # the recorded settings, --mesh-dcn included
+    assert all(rc == 0 for rc, _ in resumed), resumed
+    assert all("resumed" in text and "step 5:" in text for _, text in resumed), resumed
+
+    # the same two commands in one process (the learning-rate schedule follows --steps)
+    for cmd in (["--config", "tiny_gpt2", "--steps", "3", "--workdir", ref, "--mesh", "data=2,fsdp=2", *ARGS],
+                ["--steps", "5", "--workdir", ref]):
+        rc, text = _run_one(cmd, devices=4)
+        assert rc == 0, text
+    two, one = _train_lines(os.path.join(wd, "metrics.jsonl")), _train_lines(os.path.join(ref, "metrics.jsonl"))
+    assert [r["step"] for r in two] == [1, 2, 3, 4, 5]     # written by one process, once a step
+    assert [r["step"] for r in one] == [1, 2, 3, 4, 5]
+    for a, b in zip(two, one):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+
+    # one process cannot resume the two processes' run (its mesh spans two)
+    rc, text = _run_one(["--steps", "6", "--workdir", wd], devices=4)
+    assert rc == 2 and "--mesh-dcn" in text and "slices/processes" in text, text
+    assert len(_train_lines(os.path.join(wd, "metrics.jsonl"))) == 5   # nothing written
+
+
+def test_data_state_per_process(monkeypatch):
+    """A checkpoint's data item from a run of several processes gives each its own iterator state; another
+    number of processes (same mesh settings, e.g. ``data=-1`` on other hosts) is refused, naming both counts."""
+    import jax
+
+    from lineage_jax.train import checkpoint as ck
+
+    saved = {ck.PER_PROCESS: [{"shard_index": 0}, {"shard_index": 1}]}
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert ck._own_data_state(saved) == {"shard_index": 1}
+    with pytest.raises(ValueError, match="saved by one process, resumed by 2"):
+        ck._own_data_state({"shard_index": 0})
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    with pytest.raises(ValueError, match="saved by 2 processes, resumed by 1"):
+        ck._own_data_state(saved)
+    assert ck._own_data_state({"shard_index": 0}) == {"shard_index": 0}
+
+
+def test_mesh_dcn_refused_by_name(tmp_path):
+    rc, text = _run_one(["--config", "tiny_gpt2", "--steps", "1", "--workdir", str(tmp_path / "w"),
+                         "--mesh-dcn", "data=-1"], devices=1)
+    assert rc == 2 and "--mesh-dcn" in text and "positive" in text, text
+    rc, text = _run_one(["--config", "tiny_gpt2", "--steps", "1", "--workdir", str(tmp_path / "w"),
+                         "--mesh-dcn", "data=2"], devices=1)   # one process: no second slice or node
+    assert rc == 2 and "--mesh-dcn" in text and "slices/processes" in text, text
+    assert not os.path.exists(tmp_path / "w")
