@@ -42,6 +42,13 @@ def peak_flops() -> Optional[float]:
     return None
 
 
+def _any_process(flag: bool) -> bool:
+    """Whether ``flag`` holds in any process (every process calls this at the same step)."""
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+
 class _Preemption:
     """Turns SIGTERM into a flag the loop checks between steps."""
 
@@ -238,7 +245,7 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
     are saved and restored in those shardings. With several processes (``jax.distributed``; the
     CLI starts it from the environment) the first one writes ``config.json``, ``metrics.jsonl``,
     the TensorBoard events and the progress bar; the checkpoints hold every process's data
-    iterator state.
+    iterator state; a SIGTERM stops every process at the next logged step.
     Returns:
       a summary with the final step, last metrics and evaluation.
     """
@@ -274,7 +281,7 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
             log(f"resumed {workdir} at step {start}")
         # one process writes the run's files (config, metrics, TensorBoard events, the bar); every one saves and
         # restores its share of the checkpoints
-        primary = jax.process_index() == 0
+        primary, several = jax.process_index() == 0, jax.process_count() > 1
         metrics_path = os.path.join(workdir, "metrics.jsonl")
         if primary:
             _write_configs(workdir, train_cfg, model_cfg)  # after a successful restore: a failed one changes nothing
@@ -316,7 +323,11 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
                 batch = put(next(train_iter))
                 state, metrics = train_step(state, batch)
                 done = step + 1
-                if done % train_cfg.log_every == 0 or done == train_cfg.steps or preempt.requested:
+                at_log = done % train_cfg.log_every == 0 or done == train_cfg.steps
+                # several processes stop together, at a logged step: a SIGTERM may reach them at different steps,
+                # and a save one process starts alone would wait forever for the others
+                stop = preempt.requested if not several else at_log and _any_process(preempt.requested)
+                if at_log or stop:
                     last = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     if not math.isfinite(last["loss"]):
                         raise ckpt.diverged(done, f"the training loss is {last['loss']}")
@@ -339,9 +350,9 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
                 if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != train_cfg.steps:
                     evaluation = evaluate(eval_step, state, data("val"), train_cfg.eval_batches, put)
                     log_evaluation(done)
-                if done % train_cfg.save_every == 0 or done == train_cfg.steps or preempt.requested:
+                if done % train_cfg.save_every == 0 or done == train_cfg.steps or stop:
                     ckpt.save(done, state, train_iter.get_state(), force=True)
-                if preempt.requested:
+                if stop:
                     log(f"SIGTERM: saved step {done} in {workdir}; rerun the same command to resume")
                     stopped = True
                     break

@@ -1,21 +1,26 @@
 """The training CLI over two processes (``jax.distributed`` on the CPU, gloo collectives), two fake
 devices each: the multi-node path of a GPU cluster or a multi-host TPU run, on one machine.
 
-``--mesh fsdp=2 --mesh-dcn data=2``: the data axis spans the two processes. The run is preempted
-between steps 3 and 4 (a second command resumes it) and must log what one process with four devices
-logs for the same global mesh, once; a resume by one process is refused by name (each process reads
-its own shard of the data, and the checkpoint holds the iterator state of each)."""
+``--mesh fsdp=2 --mesh-dcn data=2``: the data axis spans the two processes. A SIGTERM to one of them
+stops both at the same logged step, saved; the same command resumes them, and the run logs what one
+process with four devices logs for the same global mesh, once a step; a resume by one process is
+refused by name (each process reads its own shard of the data, and the checkpoint holds the iterator
+state of each)."""
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-ARGS = ["--set", "batch_size=4", "--set", "seq_len=32", "--set", "progress=false", "--set", "log_every=1",
-        "--set", "eval_batches=1"]
+STEPS = 30
+ARGS = ["--set", "batch_size=4", "--set", "seq_len=32", "--set", "progress=false", "--set", "log_every=2",
+        "--set", "eval_batches=1", "--set", f"save_every={STEPS}"]
 TIMEOUT = 300
 
 
@@ -31,8 +36,8 @@ def _env(devices: int, **extra) -> dict:
     return env
 
 
-def _run_processes(args: list, n: int = 2, devices: int = 2) -> list:
-    """The CLI in ``n`` processes of ``devices`` CPU devices each; their (returncode, output)."""
+def _start_processes(args: list, n: int = 2, devices: int = 2) -> list:
+    """The CLI in ``n`` processes of ``devices`` CPU devices each (``jax.distributed`` from the environment)."""
     port = _free_port()
     procs = []
     for i in range(n):
@@ -40,6 +45,11 @@ def _run_processes(args: list, n: int = 2, devices: int = 2) -> list:
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
         procs.append(subprocess.Popen([sys.executable, "-m", "lineage_jax.train", *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish(procs: list) -> list:
+    """Each process's (returncode, output)."""
     out = []
     try:
         for p in procs:
@@ -52,6 +62,13 @@ def _run_processes(args: list, n: int = 2, devices: int = 2) -> list:
     return out
 
 
+def _logged_steps(path) -> list:
+    try:
+        return [json.loads(line)["step"] for line in open(path) if line.strip()]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
 def _run_one(args: list, devices: int):
     p = subprocess.run([sys.executable, "-m", "lineage_jax.train", *args], env=_env(devices), capture_output=True,
                        text=True, timeout=TIMEOUT)
@@ -62,32 +79,41 @@ def _train_lines(path):
     return [json.loads(line) for line in open(path) if "loss" in json.loads(line)]
 
 
-def test_two_processes_resume_and_match_one(tmp_path):
+def test_two_processes_preempted_resumed_match_one(tmp_path):
     wd, ref = str(tmp_path / "two"), str(tmp_path / "one")
-    first = _run_processes(["--config", "tiny_gpt2", "--steps", "3", "--workdir", wd, "--mesh", "fsdp=2",
-                            "--mesh-dcn", "data=2", *ARGS])
+    metrics = os.path.join(wd, "metrics.jsonl")
+    procs = _start_processes(["--config", "tiny_gpt2", "--steps", str(STEPS), "--workdir", wd, "--mesh", "fsdp=2",
+                              "--mesh-dcn", "data=2", *ARGS])
+    deadline = time.monotonic() + TIMEOUT
+    while not _logged_steps(metrics) and time.monotonic() < deadline and procs[1].poll() is None:
+        time.sleep(0.02)
+    procs[1].send_signal(signal.SIGTERM)   # one process only, as a preemption may reach them at different steps
+    first = _finish(procs)
     assert all(rc == 0 for rc, _ in first), first
+    stops = [re.search(r"SIGTERM: saved step (\d+)", text) for _, text in first]
+    assert all(stops), first                                        # both stopped, saved ...
+    at = int(stops[0].group(1))
+    assert int(stops[1].group(1)) == at and at < STEPS and at % 2 == 0, first   # ... at one logged step
     assert json.load(open(os.path.join(wd, "config.json")))["train"]["mesh_dcn"] == "data=2"
-    resumed = _run_processes(["--steps", "5", "--workdir", wd])   # the recorded settings, --mesh-dcn included
-    assert all(rc == 0 for rc, _ in resumed), resumed
-    assert all("resumed" in text and "step 5:" in text for _, text in resumed), resumed
 
-    # the same two commands in one process (the learning-rate schedule follows --steps)
-    for cmd in (["--config", "tiny_gpt2", "--steps", "3", "--workdir", ref, "--mesh", "data=2,fsdp=2", *ARGS],
-                ["--steps", "5", "--workdir", ref]):
-        rc, text = _run_one(cmd, devices=4)
-        assert rc == 0, text
-    two, one = _train_lines(os.path.join(wd, "metrics.jsonl")), _train_lines(os.path.join(ref, "metrics.jsonl"))
-    assert [r["step"] for r in two] == [1, 2, 3, 4, 5]     # written by one process, once a step
-    assert [r["step"] for r in one] == [1, 2, 3, 4, 5]
+    resumed = _finish(_start_processes(["--steps", str(STEPS), "--workdir", wd]))   # the recorded settings
+    assert all(rc == 0 and f"resumed {wd} at step {at}" in text and f"step {STEPS}:" in text
+               for rc, text in resumed), resumed
+
+    rc, text = _run_one(["--config", "tiny_gpt2", "--steps", str(STEPS), "--workdir", ref, "--mesh", "data=2,fsdp=2",
+                         *ARGS], devices=4)
+    assert rc == 0, text
+    two, one = _train_lines(metrics), _train_lines(os.path.join(ref, "metrics.jsonl"))
+    assert [r["step"] for r in two] == list(range(2, STEPS + 1, 2))   # written by one process, once a step
+    assert [r["step"] for r in one] == list(range(2, STEPS + 1, 2))
     for a, b in zip(two, one):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
 
     # one process cannot resume the two processes' run (its mesh spans two)
-    rc, text = _run_one(["--steps", "6", "--workdir", wd], devices=4)
+    rc, text = _run_one(["--steps", str(STEPS + 2), "--workdir", wd], devices=4)
     assert rc == 2 and "--mesh-dcn" in text and "slices/processes" in text, text
-    assert len(_train_lines(os.path.join(wd, "metrics.jsonl"))) == 5   # nothing written
+    assert len(_train_lines(metrics)) == STEPS // 2   # nothing written
 
 
 def test_data_state_per_process(monkeypatch):
