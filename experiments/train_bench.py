@@ -269,7 +269,7 @@ def measure(row: str, B: int, T: int, size: Size, *, remat: str, steps: int, war
         def once(run=compiled):
             box[0], m = run(box[0], batch)
             return m["loss"]
-        prof = op_profile.profile(once, profile)
+        prof = op_profile.profile(once, profile, hlo=compiled.as_text())
         state = box[0]
     tokens_s = B * T / step_s
     flops = 3 * accounting.flops_per_token(cfg, T)

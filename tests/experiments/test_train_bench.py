@@ -91,6 +91,55 @@ def test_op_profile_sums_device_streams_per_call_by_kind():
     assert s["top"][0]["kind"] == "matmul" and s["top"][0]["launches_per_call"] == 0.5
 
 
+def test_op_profile_names_what_each_fusion_computes():
+    """With the executable's HLO, the profile's fusions name the JAX operations and the source lines they
+    fused: on the CPU end to end (the trace names a fusion as its HLO instruction), and on an XLA:GPU-style
+    module, whose kernels are named ``loop_select_fusion_77`` for the instruction ``loop_select_fusion.77``."""
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+    from experiments import op_profile
+
+    def f(x, idx):
+        y = jnp.take(x, idx, axis=0, mode="fill")
+        return jnp.where(y > 0, y * 2.0, 0.0)
+    line = inspect.getsourcelines(f)[1]
+    x, idx = jnp.ones((512, 64)), jnp.arange(1024) % 520
+    compiled = jax.jit(f).lower(x, idx).compile()
+    s = op_profile.profile(lambda: compiled(x, idx), 2, 5, hlo=compiled.as_text())
+    fused = [t for t in s["top"] if t.get("source")]
+    assert fused, s["top"]
+    src = fused[0]["source"]
+    assert src["ops"][0].endswith("select_n") and any(o.endswith("gather") for o in src["ops"]), src
+    assert set(src["at"]) == {f"tests/experiments/test_train_bench.py:{line + n}" for n in (1, 2)}, src
+
+    gpu = """HloModule jit_step
+
+%fused_computation.77 (param_0: bf16[8,4], param_1: s32[16]) -> bf16[16,4] {
+  %param_0 = bf16[8,4]{1,0} parameter(0)
+  %param_1 = s32[16]{0} parameter(1)
+  %constant.1 = s32[] constant(0), metadata={op_name="jit(step)/jit(_take)" source_file="/x/lineage_jax/layers/grouped_pallas.py" source_line=502}
+  %gather.3 = bf16[16,4]{1,0} gather(%param_0, %param_1), metadata={op_name="jit(step)/jvp(MoE)/jit(_take)/gather" source_file="/x/lineage_jax/layers/grouped_pallas.py" source_line=502}
+  ROOT %select.2 = bf16[16,4]{1,0} select(%gather.3, %gather.3, %gather.3), metadata={op_name="jit(step)/jvp(MoE)/select_n" source_file="/x/lineage_jax/layers/grouped_pallas.py" source_line=503}
+}
+
+ENTRY %main (p0: bf16[8,4], p1: s32[16]) -> bf16[16,4] {
+  %p0 = bf16[8,4]{1,0} parameter(0)
+  %p1 = s32[16]{0} parameter(1)
+  ROOT %loop_select_fusion.77 = bf16[16,4]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%fused_computation.77
+}
+"""
+    assert op_profile.hlo_sources(gpu) == {"loop_select_fusion_77": {
+        "ops": ["jvp(MoE)/select_n", "jit(_take)/gather"],
+        "at": ["lineage_jax/layers/grouped_pallas.py:503", "lineage_jax/layers/grouped_pallas.py:502"]}}
+    trace = {"traceEvents": [{"ph": "M", "pid": 2, "tid": 0, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+                             {"ph": "X", "pid": 2, "tid": 0, "name": "loop_select_fusion_77", "dur": 10.0, "ts": 0}]}
+    top = op_profile.summarize(trace, 1, hlo=gpu)["top"][0]
+    assert top["source"]["ops"][0] == "jvp(MoE)/select_n"
+    assert "jvp(MoE)/select_n" in op_profile.table(op_profile.summarize(trace, 1, hlo=gpu))
+
+
 def test_op_profile_names_every_delta_kernel_pallas():
     """Every kernel of ``kernels.delta`` (named after its Python function on GPUs) counts as Pallas."""
     import inspect
