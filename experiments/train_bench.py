@@ -34,7 +34,8 @@ default keeps every row in one process). Writes ``train_bench.json`` and a bar c
 ``train_bench.png`` (tokens/s per row, one group per shape, the reference's as a line).
 ``--profile N`` also profiles N steps of every row (:mod:`experiments.op_profile`: GPU busy time
 per step by kind — matmul, attention, Pallas kernels, XLA fusions, memory — and the largest
-kernels) into the row's record and the printed table.
+kernels, each XLA fusion with the JAX operations and source lines it fused) into the row's record
+and the printed table.
 
 Usage::
 
@@ -510,8 +511,8 @@ def main(argv=None):
                    help="run each row in its own process (one allocator per row: on one H200 a 45 GiB step "
                         "buffer failed to allocate after three other rows in the same process, and fit alone)")
     p.add_argument("--profile", type=C.non_negative_int, default=0, metavar="N",
-                   help="also profile N steps of every row: GPU time per kind and the largest kernels "
-                        "(default: 0, off)")
+                   help="also profile N steps of every row: GPU time per kind and the largest kernels, each XLA "
+                        "fusion with the operations and source lines it fused (default: 0, off)")
     p.add_argument("--set", dest="overrides", action="append", metavar="FIELD=VALUE",
                    help="a ModelConfig field for every library row, e.g. --set moe_dispatch=capacity (repeatable)")
     p.add_argument("--merge", nargs="+", metavar="RECORD",
