@@ -16,8 +16,12 @@
 #   REMOTE_DIR        checkout path on the workers     (default: lineage_jax)
 #   FETCH_DIR         where fetch copies the workdir   (default: runs_remote/ in this repository)
 #
+# A slice of one host (v5litepod-8, v6e-8) can train in a --workdir on that host's disk. A slice of several
+# hosts (v5p-32: 4) needs a --workdir that every worker shares (a Filestore or gcsfuse mount): each writes its
+# share of every checkpoint there, and the run refuses a directory each worker has to itself.
+#
 # Example: ZONE=us-east5-a ACCELERATOR_TYPE=v5p-32 RUNTIME_VERSION=v2-alpha-tpuv5 \
-#   launch/tpu_vm.sh all -- --config tiny_k3 --steps 1000 --workdir runs/k3 --mesh fsdp=4,expert=4
+#   launch/tpu_vm.sh all -- --config tiny_k3 --steps 1000 --workdir /mnt/shared/runs/k3 --mesh fsdp=4,expert=4
 set -euo pipefail
 
 TPU_NAME=${TPU_NAME:-lineage-${USER:-user}}

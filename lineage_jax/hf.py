@@ -873,7 +873,7 @@ def load(path: str, *, dtype: Optional[str] = None, mesh=None, rules=None, scan_
     if mesh is not None:
         from lineage_jax.parallel import state_shardings
         shardings = {tuple(p): v.get_value() for p, v in state_shardings(abstract, mesh, rules).flat_state()}
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's own (jax.devices()[0] is process 0's)
 
     def build(key, var):
         entries = plan[key]

@@ -21,12 +21,15 @@ import os
 import sys
 from typing import Optional
 
+import jax
+
 from lineage_jax.models import config_names, get_config
 from lineage_jax.parallel import maybe_initialize_distributed, parse_mesh_spec
 from lineage_jax.train.checkpoint import CheckpointError, NonFiniteStateError
 from lineage_jax.train.config import TrainConfig, apply_overrides, import_modules
 from lineage_jax.train.inputs import make_data
-from lineage_jax.train.loop import InitFromHFError, check_lengths, check_workdir, run_configs, train
+from lineage_jax.train.loop import (InitFromHFError, WorkdirError, check_lengths, check_workdir, run_configs,
+                                    train)
 from lineage_jax.train.step import make_parallel, parse_dcn_spec
 
 
@@ -167,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = train(train_cfg, model_cfg, data)
     except CheckpointError as e:
         _fail(str(e))
-    except InitFromHFError as e:
+    except (InitFromHFError, WorkdirError) as e:
         _fail(str(e))
     except NonFiniteStateError as e:  # the run diverged: a failure of the run, not of its arguments
         _fail(str(e), code=1)
@@ -176,7 +179,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     msg = f"step {out['step']}: " + (f"loss {loss:.4f}" if loss is not None else "no training loss logged")
     if ev:
         msg += f", val loss {ev['val_loss']:.4f} (ppl {ev['val_perplexity']:.2f}, acc {ev['val_accuracy']:.3f})"
-    print(msg)
+    if jax.process_index() == 0:  # one line for a run of several processes
+        print(msg)
     return 0
 
 

@@ -47,7 +47,7 @@ def first_nonfinite(tree: Any) -> Optional[str]:
 PER_PROCESS = "per_process"  # the data item of a multi-process run: every process's iterator state, by index
 
 
-def _gather_json(value: Any) -> list:
+def gather_json(value: Any) -> list:
     """``value`` (JSON-able) of every process, in process order (an all-gather of its UTF-8 bytes)."""
     from jax.experimental import multihost_utils
 
@@ -108,7 +108,7 @@ class Checkpointer:
         if bad is not None:
             raise self.diverged(step, f"the training state holds NaN or infinite values (first in {bad})")
         if jax.process_count() > 1:  # orbax writes the JSON item from the primary process only: gather every one's
-            data_state = {PER_PROCESS: _gather_json(data_state)}
+            data_state = {PER_PROCESS: gather_json(data_state)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
                                                         data=ocp.args.JsonSave(data_state)), force=force)
 

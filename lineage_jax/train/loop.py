@@ -8,9 +8,7 @@ finishes the current step, saves, and exits cleanly.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import math
 import os
@@ -24,7 +22,7 @@ import numpy as np
 
 from lineage_jax import accounting
 from lineage_jax.models import ModelConfig
-from lineage_jax.train.checkpoint import Checkpointer
+from lineage_jax.train.checkpoint import Checkpointer, gather_json
 from lineage_jax.train.config import TrainConfig, import_modules
 from lineage_jax.train.step import init_state, jit_steps, make_parallel
 
@@ -211,6 +209,40 @@ class InitFromHFError(ValueError):
     """``init_from_hf`` names a checkpoint whose parameters do not fit the run's model config."""
 
 
+class WorkdirError(ValueError):
+    """The processes of a run do not share its ``workdir`` (each host's own disk): their checkpoints could
+    never be completed."""
+
+
+def check_shared_workdir(workdir: str) -> None:
+    """With several processes: every one must see the files process 0 writes in ``workdir`` (one directory
+    on a shared filesystem). Orbax writes each process's share of a checkpoint and completes it on process 0;
+    on each host's own disk the first save waits for the others forever. A :class:`WorkdirError` naming the
+    processes that do not see it, raised on every process alike."""
+    if jax.process_count() < 2:
+        return
+    path = os.path.join(workdir, ".lineage_shared_check")
+    token = None
+    if jax.process_index() == 0:
+        token = os.urandom(8).hex()
+        with open(path, "w") as f:
+            f.write(token)
+    token = gather_json(token)[0]          # process 0's, once it is written
+    try:
+        with open(path) as f:
+            seen = f.read().strip() == token
+    except OSError:
+        seen = False
+    seen_by = gather_json(seen)
+    if jax.process_index() == 0:
+        os.remove(path)
+    blind = [i for i, ok in enumerate(seen_by) if not ok]
+    if blind:
+        raise WorkdirError(f"--workdir {workdir}: processes {blind} do not see the files process 0 writes there; "
+                           f"every process of a run needs the same directory on a shared filesystem (NFS, "
+                           f"Filestore, a gcsfuse mount), not each host's own disk")
+
+
 def _init_from_hf(state, path: str, model_cfg: ModelConfig, parallel):
     """``state`` with its parameters (and router biases) replaced by a transformers checkpoint's,
     placed in the same shardings. The optimizer's initial state does not depend on the parameters'
@@ -266,6 +298,7 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
         state = _init_from_hf(state, train_cfg.init_from_hf, model_cfg, parallel)
         log(f"initialised from the transformers checkpoint {train_cfg.init_from_hf}")
     os.makedirs(workdir, exist_ok=True)
+    check_shared_workdir(workdir)
     ckpt = Checkpointer(ckpt_dir, keep=train_cfg.keep_checkpoints)
     try:
         train_iter = data("train")
@@ -304,13 +337,15 @@ def train(train_cfg: TrainConfig, model_cfg: ModelConfig, data: Callable[[str], 
         evaluation: dict[str, float] = {}
         evaluated = None  # the step of the last evaluation logged
         if start >= train_cfg.steps:
-            last, evaluation, evaluated = _last_logged(metrics_path)
+            # process 0's reading for every process (each decides from it whether to evaluate: a collective)
+            logged = _last_logged(metrics_path) if primary else None
+            last, evaluation, evaluated = gather_json(logged)[0] if several else logged
             log(f"{workdir} already finished {start} steps (--steps is the total: pass a larger --steps to extend it)")
         bar = tqdm(total=train_cfg.steps, initial=start, disable=not (train_cfg.progress and primary), unit="step",
                    dynamic_ncols=True)
         t_last, step_last = time.perf_counter(), start
         stopped = False
-        metrics_file = open(metrics_path, "a") if primary else contextlib.nullcontext(io.StringIO())
+        metrics_file = open(metrics_path if primary else os.devnull, "a")
         with _Preemption() as preempt, metrics_file as mfile:
             def log_evaluation(at: int) -> None:
                 mfile.write(json.dumps({"step": at, **evaluation}) + "\n")

@@ -115,17 +115,23 @@ def make_parallel(model_cfg: ModelConfig, mesh_spec: str, devices=None,
     sizes = parse_mesh_spec(mesh_spec)
     dcn = parse_dcn_spec(mesh_dcn)
     devices = list(jax.devices() if devices is None else devices)
+    where = f"mesh {mesh_spec!r}" + (f" with mesh_dcn {mesh_dcn!r}" if mesh_dcn else "")
+    processes = len({d.process_index for d in devices})
     if all(s == 1 for s in sizes.values()) and all(s == 1 for s in dcn.values()):
+        if processes > 1:  # each process would train a copy of its own on its first device, never synchronised
+            raise ValueError(f"{where}: one device, but the devices belong to {processes} processes: give a mesh "
+                             f"over all {len(devices)} devices (e.g. data=-1 for data parallelism)")
         return None
     try:
         mesh = make_mesh(sizes, devices=devices, dcn=dcn if any(s > 1 for s in dcn.values()) else None)
     except ValueError as e:
-        where = f"mesh {mesh_spec!r}" + (f" with mesh_dcn {mesh_dcn!r}" if mesh_dcn else "")
         raise ValueError(f"{where}: {e}") from None
     batch_ways = math.prod(mesh_shape(mesh)[a] for a in mesh_axes_of("batch"))
     if batch_size is not None and batch_size % batch_ways:
         raise ValueError(f"batch_size={batch_size} does not split over the batch mesh axes of mesh {mesh_spec!r} "
                          f"({batch_ways} ways: data × fsdp × expert); use a multiple of {batch_ways}")
+    if batch_size is not None and processes > 1:
+        _check_process_rows(mesh, batch_size, processes, where)
     ep = None  # a dense model's weights use the expert axis as more FSDP (the rules' table)
     if mesh_shape(mesh)["expert"] > 1 and model_cfg.num_experts > 0:
         try:
@@ -134,6 +140,20 @@ def make_parallel(model_cfg: ModelConfig, mesh_spec: str, devices=None,
             raise ValueError(f"mesh {mesh_spec!r}: {e}") from None
         ep = ExpertParallel(mesh)
     return Parallel(mesh, None, ep)
+
+
+def _check_process_rows(mesh: Mesh, batch_size: int, processes: int, where: str) -> None:
+    """Each process reads its own ``batch_size / processes`` rows (``train.inputs``): the batch axes must give
+    every process's devices a disjoint share of that size — a ``ValueError`` naming the mesh otherwise."""
+    sharding = NamedSharding(mesh, P(tuple(a for a in mesh_axes_of("batch") if a in mesh.shape)))
+    rows: dict[int, set] = {}
+    for device, index in sharding.devices_indices_map((batch_size,)).items():
+        rows.setdefault(device.process_index, set()).update(range(*index[0].indices(batch_size)))
+    share = batch_size // processes
+    if any(len(r) != share for r in rows.values()) or sum(len(r) for r in rows.values()) != batch_size:
+        raise ValueError(f"{where}: the batch axes (data × fsdp × expert) do not split the batch between the "
+                         f"{processes} processes (each reads {share} rows of its own): put an axis that crosses "
+                         f"processes among them, e.g. --mesh-dcn data={processes}")
 
 
 def _abstract_model(model_cfg: ModelConfig, seed: int):

@@ -36,14 +36,16 @@ def _env(devices: int, **extra) -> dict:
     return env
 
 
-def _start_processes(args: list, n: int = 2, devices: int = 2) -> list:
-    """The CLI in ``n`` processes of ``devices`` CPU devices each (``jax.distributed`` from the environment)."""
+def _start_processes(args, n: int = 2, devices: int = 2) -> list:
+    """The CLI in ``n`` processes of ``devices`` CPU devices each (``jax.distributed`` from the environment);
+    ``args`` a list, or a function of the process index giving each its own."""
     port = _free_port()
     procs = []
     for i in range(n):
         env = _env(devices, JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i),
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
-        procs.append(subprocess.Popen([sys.executable, "-m", "lineage_jax.train", *args], env=env,
+        own = args(i) if callable(args) else args
+        procs.append(subprocess.Popen([sys.executable, "-m", "lineage_jax.train", *own], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
@@ -97,8 +99,8 @@ def test_two_processes_preempted_resumed_match_one(tmp_path):
     assert json.load(open(os.path.join(wd, "config.json")))["train"]["mesh_dcn"] == "data=2"
 
     resumed = _finish(_start_processes(["--steps", str(STEPS), "--workdir", wd]))   # the recorded settings
-    assert all(rc == 0 and f"resumed {wd} at step {at}" in text and f"step {STEPS}:" in text
-               for rc, text in resumed), resumed
+    assert all(rc == 0 and f"resumed {wd} at step {at}" in text for rc, text in resumed), resumed
+    assert [f"step {STEPS}: loss" in text for _, text in resumed] == [True, False]   # one summary line
 
     rc, text = _run_one(["--config", "tiny_gpt2", "--steps", str(STEPS), "--workdir", ref, "--mesh", "data=2,fsdp=2",
                          *ARGS], devices=4)
@@ -114,6 +116,24 @@ def test_two_processes_preempted_resumed_match_one(tmp_path):
     rc, text = _run_one(["--steps", str(STEPS + 2), "--workdir", wd], devices=4)
     assert rc == 2 and "--mesh-dcn" in text and "slices/processes" in text, text
     assert len(_train_lines(metrics)) == STEPS // 2   # nothing written
+
+
+def test_two_processes_refuse_what_would_hang_or_diverge(tmp_path):
+    """Every process exits 2 with the same message, before training: no mesh (each process would train a copy of
+    its own), a mesh whose batch axes do not split the batch between the processes (each reads rows of its own),
+    and a workdir each process has to itself (a checkpoint would wait for the others forever)."""
+    base = ["--config", "tiny_gpt2", "--steps", "2", *ARGS]
+    cases = [
+        (lambda i: [*base, "--workdir", str(tmp_path / "a")], "belong to 2 processes"),
+        (lambda i: [*base, "--workdir", str(tmp_path / "b"), "--mesh", "tensor=2", "--mesh-dcn", "tensor=2"],
+         "do not split the batch between the 2 processes"),
+        (lambda i: [*base, "--workdir", str(tmp_path / f"c{i}"), "--mesh", "fsdp=2", "--mesh-dcn", "data=2"],
+         "processes [1] do not see the files process 0 writes there"),
+    ]
+    for args, message in cases:
+        out = _finish(_start_processes(args))
+        assert all(rc == 2 and message in text for rc, text in out), (message, out)
+    assert not any((tmp_path / d / "checkpoints").exists() for d in ("a", "b", "c0", "c1"))
 
 
 def test_data_state_per_process(monkeypatch):
