@@ -144,10 +144,8 @@ def _fail(msg: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    # multi-host (TPU VM slices, SLURM, JAX_* env; a no-op on one host): before anything asks JAX for its
-    # backend, which the model config's checks do ("auto" settings resolve by platform)
-    maybe_initialize_distributed()
+def _checked(argv):
+    """The run's configs and data, every argument checked before any work (``SystemExit`` 2 naming it)."""
     train_cfg, model_cfg = parse(argv)
     try:
         check_lengths(train_cfg, model_cfg)
@@ -158,7 +156,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         _fail(f"--data {train_cfg.data}: {e}")
     try:
-        # fail before any work
         make_parallel(model_cfg, train_cfg.mesh, batch_size=train_cfg.batch_size, mesh_dcn=train_cfg.mesh_dcn)
     except ValueError as e:
         _fail(f"--mesh{'/--mesh-dcn' if train_cfg.mesh_dcn else ''}: {e}")
@@ -166,6 +163,34 @@ def main(argv: Optional[list[str]] = None) -> int:
         check_workdir(train_cfg, model_cfg)  # a workdir holding another run: refused before writing anything
     except ValueError as e:
         _fail(str(e))
+    return train_cfg, model_cfg, data
+
+
+def _agree_to_start(stop: Optional[SystemExit]) -> None:
+    """Several processes: every one learns whether all passed their checks (a data directory missing on one
+    host, say) and stops with the first one that did not, instead of waiting for it in the first collective."""
+    if jax.process_count() < 2:
+        return
+    from lineage_jax.train.checkpoint import gather_json
+
+    code = None if stop is None else (stop.code if isinstance(stop.code, int) else 2)
+    codes = gather_json(code)
+    first = next((i for i, c in enumerate(codes) if c is not None), None)
+    if stop is None and first is not None:
+        _fail(f"process {first} stopped before training (exit code {codes[first]}; its output says why)",
+              code=codes[first] or 2)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    # multi-host (TPU VM slices, SLURM, JAX_* env; a no-op on one host): before anything asks JAX for its
+    # backend, which the model config's checks do ("auto" settings resolve by platform)
+    maybe_initialize_distributed()
+    try:
+        train_cfg, model_cfg, data = _checked(argv)
+    except SystemExit as stop:  # an argument refused (or --help): the other processes must not wait for this one
+        _agree_to_start(stop)
+        raise
+    _agree_to_start(None)
     try:
         out = train(train_cfg, model_cfg, data)
     except CheckpointError as e:

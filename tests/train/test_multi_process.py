@@ -121,7 +121,8 @@ def test_two_processes_preempted_resumed_match_one(tmp_path):
 def test_two_processes_refuse_what_would_hang_or_diverge(tmp_path):
     """Every process exits 2 with the same message, before training: no mesh (each process would train a copy of
     its own), a mesh whose batch axes do not split the batch between the processes (each reads rows of its own),
-    and a workdir each process has to itself (a checkpoint would wait for the others forever)."""
+    and a workdir each process has to itself (a checkpoint would wait for the others forever); and a process
+    whose own argument is refused stops the others."""
     base = ["--config", "tiny_gpt2", "--steps", "2", *ARGS]
     cases = [
         (lambda i: [*base, "--workdir", str(tmp_path / "a")], "belong to 2 processes"),
@@ -133,7 +134,12 @@ def test_two_processes_refuse_what_would_hang_or_diverge(tmp_path):
     for args, message in cases:
         out = _finish(_start_processes(args))
         assert all(rc == 2 and message in text for rc, text in out), (message, out)
-    assert not any((tmp_path / d / "checkpoints").exists() for d in ("a", "b", "c0", "c1"))
+    # an argument only one host refuses (its data directory is missing): the other stops too, naming it
+    out = _finish(_start_processes(lambda i: [*base, "--workdir", str(tmp_path / "d"), "--mesh", "fsdp=2", "--mesh-dcn",
+                                              "data=2"] + (["--data", str(tmp_path / "missing")] if i else [])))
+    assert [rc for rc, _ in out] == [2, 2] and "--data" in out[1][1], out
+    assert "process 1 stopped before training" in out[0][1], out
+    assert not any((tmp_path / d / "checkpoints").exists() for d in ("a", "b", "c0", "c1", "d"))
 
 
 def test_data_state_per_process(monkeypatch):
