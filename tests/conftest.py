@@ -97,7 +97,7 @@ def _backend_default_precision(request):
 # the other has nothing left to run.
 LONG_FIRST = ("tests/parallel/test_multi_device.py", "tests/experiments/test_scorecard.py",
               "tests/layers/test_models.py", "tests/experiments/test_decode_attnres_lm.py",
-              "tests/experiments/test_mqar_niah.py", "tests/train/test_loop.py")
+              "tests/experiments/test_mqar_niah.py", "tests/train/test_loop.py", "tests/train/test_multi_process.py")
 
 
 def _start_rank(item) -> int:

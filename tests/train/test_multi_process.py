@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from tests._fake_devices import fake_device_xla_flags
+
 STEPS = 30
 ARGS = ["--set", "batch_size=4", "--set", "seq_len=32", "--set", "progress=false", "--set", "log_every=2",
         "--set", "eval_batches=1", "--set", f"save_every={STEPS}"]
@@ -31,8 +33,11 @@ def _free_port() -> int:
 
 
 def _env(devices: int, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+    """This process's environment (the suite's compilation cache and fast-compile flags included) for a CLI run on
+    ``devices`` fake CPU devices; ``extra`` sets the distributed variables."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS", "JAX_PLATFORMS")}
+    env.update(XLA_FLAGS=fake_device_xla_flags(devices, os.environ.get("XLA_FLAGS", "")), JAX_PLATFORMS="cpu", **extra)
     return env
 
 
