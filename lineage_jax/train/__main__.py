@@ -115,18 +115,14 @@ def parse(argv: Optional[list[str]] = None) -> tuple[TrainConfig, object]:
         base["imports"] = imports
     if args.data is not None:
         base["data"] = args.data
-    if args.mesh is not None:
-        try:
-            parse_mesh_spec(args.mesh)
-        except ValueError as e:
-            p.error(f"--mesh {args.mesh!r}: {e}")
-        base["mesh"] = args.mesh
-    if args.mesh_dcn is not None:
-        try:
-            parse_dcn_spec(args.mesh_dcn)
-        except ValueError as e:
-            p.error(f"--mesh-dcn: {e}")
-        base["mesh_dcn"] = args.mesh_dcn
+    for flag, field, check in (("--mesh", "mesh", parse_mesh_spec), ("--mesh-dcn", "mesh_dcn", parse_dcn_spec)):
+        value = getattr(args, field)
+        if value is not None:
+            try:
+                check(value)
+            except ValueError as e:
+                p.error(f"{flag} {value!r}: {e}")
+            base[field] = value
     for pair in args.overrides:  # fields with a flag of their own are set by that flag only
         key = pair.split("=", 1)[0].strip()
         if key in _FLAG_FIELDS:
